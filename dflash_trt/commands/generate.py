@@ -1,0 +1,85 @@
+"""`dflash-trt generate`: decode one prompt with DFlash (or autoregressively with --no-spec).
+
+With --json it prints one object: tokens, text (when a tokenizer exists), steps
+[{draft_tokens, accepted}], mean_acceptance_length, tokens_per_s, finish_reason, prompt_tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dflash_trt.commands.common import add_model_flags, engine_config, load
+from dflash_trt.errors import InputError
+from dflash_trt.spec.sampling import SamplingParams
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the target's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_flags(p)
+    p.set_defaults(func=run)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise InputError(f"--prompt-ids must be comma-separated integers, got '{text}'") from exc
+    if not ids:
+        raise InputError("--prompt-ids is empty: give at least one token id")
+    return ids
+
+
+def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[int]:
+    if ids is not None:
+        return parse_ids(ids)
+    if not prompt:
+        raise InputError("the prompt is empty")
+    tok = models.tokenizer
+    if tok is None:
+        raise InputError("this target has no tokenizer: use --prompt-ids")
+    if chat:
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+    return tok.encode(prompt)
+
+
+def run(args: argparse.Namespace) -> int:
+    models = load(args)
+    ids = prompt_ids(models, args.prompt, args.prompt_ids, args.chat)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+    engine = models.engine(engine_config(args))
+    result = engine.generate([ids], params)[0]
+    text = models.detokenize(result.tokens) if models.tokenizer is not None else None
+    if args.json:
+        out = {
+            "tokens": result.tokens,
+            "steps": [{"draft_tokens": s.draft_tokens, "accepted": s.accepted} for s in result.steps],
+            "mean_acceptance_length": result.mean_acceptance_length,
+            "tokens_per_s": result.tokens_per_s,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "block_size": engine.block_size,
+        }
+        if text is not None:
+            out["text"] = text
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(text if text is not None else " ".join(map(str, result.tokens)))
+        print(f"[{len(result.tokens)} tokens, {result.tokens_per_s:.1f} tok/s, "
+              f"tau {result.mean_acceptance_length:.2f}, block {engine.block_size}]", file=sys.stderr)
+    return 0

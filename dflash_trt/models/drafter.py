@@ -1,0 +1,208 @@
+"""The DFlash drafter (arXiv 2602.06036, Sec. 3): a block-diffusion draft model.
+
+Given hidden states tapped from `target_layer_ids` of the target, the drafter predicts a whole
+block of future tokens in ONE forward:
+- feature fusion: ctx = hidden_norm(fc(concat(taps)))  (fc has no bias; hidden_norm is RMSNorm);
+- KV injection: in EVERY draft layer the keys/values are concat(k_proj(ctx), k_proj(norm(x)))
+  along the sequence (same for v); k_norm applies to both; ctx does not pass the layer's
+  input_layernorm; queries come from the block only;
+- attention is non-causal over context + block (sliding-window layers, where configured, use the
+  window and are causal unless `is_causal` says otherwise);
+- the block is [last committed token, mask, mask, ...] embedded with the TARGET's embedding, and
+  logits come from the TARGET's lm_head (the drafter has neither).
+The context K/V live in a RaggedKVCache that keeps only context: block K/V are written past the
+committed length and dropped by the next crop.
+
+Checkpoint format (as published by the DFlash authors): config.json with
+`architectures: ["DFlashDraftModel"]` plus safetensors tensors `fc.weight`, `hidden_norm.weight`,
+`norm.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.checkpoint.hf import atomic_directory, read_state_dict, write_json, write_safetensors
+from dflash_trt.config import DrafterConfig
+from dflash_trt.errors import CheckpointError, InputError
+from dflash_trt.models.kv_cache import CacheSpec, RaggedKVCache
+from dflash_trt.models.layers import apply_rope, attend, attention_mask, rope_cos_sin
+from dflash_trt.models.transformer import RMSNorm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = cfg.sliding_window if sliding else None
+        self.causal = sliding if cfg.is_causal is None else cfg.is_causal
+        self.layer_idx = layer_idx
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, N, H] -> k (normed, roped), v: [B, kv_heads, N, D]."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, ctx, rope_block, rope_ctx, cache, rows, block_pos, ctx_slots, row_end, kv_end):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *rope_block)
+        if ctx is not None:
+            k_ctx, v_ctx = self.kv(ctx, *rope_ctx)
+            cache.write(self.layer_idx, rows, ctx_slots, k_ctx, v_ctx)
+        k_blk, v_blk = self.kv(x, *rope_block)
+        cache.write(self.layer_idx, rows, block_pos, k_blk, v_blk)
+        keys, values = cache.read(self.layer_idx, rows, kv_end)
+        mask = attention_mask(block_pos, kv_end, row_end, self.causal, self.sliding_window)
+        out = attend(q, keys.to(q.dtype), values.to(q.dtype), mask, self.head_dim ** -0.5)
+        return self.o_proj(out)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, *args):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _rotary_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """RoPE frequencies of the drafter, computed by transformers' Qwen3 rotary class from the raw
+    config (so rope_theta / rope_scaling / rope_parameters in any form are honoured)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    fields = {k: v for k, v in cfg.raw.items() if k not in ("architectures", "dflash_config", "auto_map")}
+    rotary = Qwen3RotaryEmbedding(config=Qwen3Config(**fields))
+    return rotary.inv_freq.detach().clone(), float(rotary.attention_scaling)
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        inv_freq, scaling = _rotary_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scaling = scaling
+        self.checkpoint_dtype: dict[str, torch.dtype] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    def new_cache(self, max_rows: int, capacity: int) -> RaggedKVCache:
+        p = self.fc.weight
+        spec = CacheSpec(len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim, capacity, p.dtype, p.device)
+        return RaggedKVCache(spec, max_rows)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps: [B, C, n_taps * H] -> fused context [B, C, H]."""
+        if taps.shape[-1] != self.fc.in_features:
+            raise InputError(
+                f"target features have width {taps.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"({self.cfg.num_taps} taps x hidden {self.cfg.hidden_size})"
+            )
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def forward(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor | None,
+                ctx_slots: torch.Tensor | None, block_embeds: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
+        """One drafting forward.
+
+        ctx_taps:     [B, C, n_taps * H] new context features (padding rows allowed), or None;
+        ctx_slots:    [B, C] their positions (cache.dead_slot for padding);
+        block_embeds: [B, T, H] target embeddings of [last token, mask, ...];
+        block_pos:    [B, T] absolute positions of the block (contiguous per row).
+        Returns the final-normed hidden states [B, T, H] (apply the target's lm_head).
+        """
+        dtype = self.fc.weight.dtype
+        x = block_embeds.to(dtype)
+        rope_block = rope_cos_sin(block_pos, self.inv_freq, self.rope_scaling, dtype)
+        ctx = rope_ctx = None
+        if ctx_taps is not None and ctx_taps.shape[1] > 0:
+            if ctx_slots is None or ctx_slots.shape != ctx_taps.shape[:2]:
+                raise InputError("ctx_slots must be given with the same [B, C] shape as ctx_taps")
+            ctx = self.fuse(ctx_taps)
+            rope_ctx = rope_cos_sin(ctx_slots, self.inv_freq, self.rope_scaling, dtype)
+        row_end = block_pos[:, -1] + 1  # [B]
+        kv_end = int(row_end.max())
+        for layer in self.layers:
+            x = layer(x, ctx, rope_block, rope_ctx, cache, rows, block_pos, ctx_slots, row_end, kv_end)
+        return self.norm(x)
+
+    # ---- checkpoint I/O -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        directory = Path(directory)
+        cfg = DrafterConfig.load(directory)
+        state = read_state_dict(directory)
+        model = cls(cfg)
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise CheckpointError(
+                f"drafter checkpoint {directory} does not match its config: missing {missing[:5]}"
+                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise CheckpointError(
+                    f"drafter tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
+                )
+        model.checkpoint_dtype = {name: t.dtype for name, t in state.items()}
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype).eval()
+
+    def save_pretrained(self, directory: Path, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json + model.safetensors atomically. Tensors keep the dtype they were
+        loaded with (bit-exact round trip) unless `dtype` is given."""
+        state = {}
+        for name, tensor in self.state_dict().items():
+            declared = DTYPES[self.cfg.torch_dtype] if self.cfg.torch_dtype in DTYPES else tensor.dtype
+            target = dtype or self.checkpoint_dtype.get(name, declared)
+            state[name] = tensor.detach().to(target)
+        with atomic_directory(Path(directory)) as tmp:
+            write_json(tmp / "config.json", self.cfg.to_dict())
+            write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
+        return Path(directory)
