@@ -124,3 +124,48 @@ def build_tiny_drafter(target_config, seed: int = 0, dtype: torch.dtype = torch.
             else:
                 param.normal_(0.0, 0.1)
     return model.to(dtype).eval()
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIALS = ("<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<mask>")  # ids 0..4 (pad, bos, eos, ...)
+
+
+def build_tiny_tokenizer():
+    """A byte-level tokenizer (4 specials... then 256 bytes; vocab 261) with a ChatML chat template.
+    Any text round-trips; ids: <pad>=0, <s>=1, <|im_end|>=2 (eos), <|im_start|>=3, <mask>=4."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(TINY_SPECIALS))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="<|im_end|>",
+                                  mask_token="<mask>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+TINY_TOKENIZER_VOCAB = len(TINY_SPECIALS) + 256
+
+
+def save_tiny_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, drafter_layers: int = 1,
+                         block_size: int = 8, **config_kw) -> tuple[Path, Path]:
+    """Write a tiny target (with the byte-level tokenizer) to directory/target and a random drafter
+    to directory/drafter. Returns (target_dir, drafter_dir)."""
+    directory = Path(directory)
+    config_kw.setdefault("vocab_size", TINY_TOKENIZER_VOCAB)
+    model = build_tiny_target(arch, seed=seed, **config_kw)
+    target_dir = save_tiny_target(model, directory / "target")
+    build_tiny_tokenizer().save_pretrained(str(target_dir))
+    drafter = build_tiny_drafter(model.config, seed=seed, num_layers=drafter_layers, block_size=block_size,
+                                 mask_token_id=4)
+    drafter_dir = drafter.save_pretrained(directory / "drafter")
+    return target_dir, drafter_dir
