@@ -1,0 +1,119 @@
+"""Pure-torch references for the DFlash decode-hot-path kernels (the numerical oracle).
+
+Glossary (DFlash paper, arXiv 2602.06036): a block has K + 1 slots; slot 0 holds the last
+committed token, slots 1..K the drafter's proposals. The target verifies the block and picks a
+token at every slot; the longest prefix of drafts that matches is accepted (tau = accepted + 1
+tokens are committed per step, the +1 being the target's bonus token at slot `accepted`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .contracts import (
+    AcceptResult,
+    ContextKVWeights,
+    PackedTaps,
+    check_accept_inputs,
+    check_context_kv_inputs,
+    check_pack_inputs,
+)
+
+
+def accept_tokens_ref(
+    draft_tokens: torch.Tensor,  # [batch, K] int64: proposals for block slots 1..K
+    target_tokens: torch.Tensor,  # [batch, K + 1] int64: target's token at slots 0..K
+    draft_lens: torch.Tensor,  # [batch] int64: valid drafts per row, 0..K
+    start_pos: torch.Tensor,  # [batch] int64: position of block slot 0
+) -> AcceptResult:
+    """Longest matching prefix per row, the bonus token after it, and the next start position."""
+    batch, k = check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
+    if k == 0:
+        accepted = torch.zeros(batch, dtype=torch.int64, device=draft_tokens.device)
+    else:
+        cols = torch.arange(k, device=draft_tokens.device)
+        match = (draft_tokens == target_tokens[:, :k]) & (cols[None, :] < draft_lens[:, None])
+        accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    bonus = target_tokens.gather(1, accepted[:, None]).squeeze(1)
+    return AcceptResult(accepted=accepted, bonus=bonus, new_pos=start_pos + accepted + 1)
+
+
+def pack_taps_ref(
+    taps: torch.Tensor,  # [n_taps, batch, T, hidden] float: tapped hidden states of the verify
+    accepted: torch.Tensor,  # [batch] int64
+) -> PackedTaps:
+    """Concatenate taps along features (tap-major) and zero every slot past accepted + 1."""
+    n_taps, batch, t, hidden = check_pack_inputs(taps, accepted)
+    counts = accepted + 1
+    packed = taps.permute(1, 2, 0, 3).reshape(batch, t, n_taps * hidden)
+    keep = torch.arange(t, device=taps.device)[None, :] < counts[:, None]  # [batch, T]
+    packed = packed.masked_fill(~keep[:, :, None], 0)
+    return PackedTaps(packed=packed, counts=counts)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., dim] float
+    weight: torch.Tensor,  # broadcastable to x: [..., dim]
+    eps: float,
+) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(
+    pos: torch.Tensor,  # [N] int64: absolute positions
+    inv_freq: torch.Tensor,  # [head_dim / 2] float32
+    attention_scaling: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [N, head_dim] (halves duplicated), scaled, cast to `dtype`."""
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
+def context_features(
+    feats: torch.Tensor,  # [N, n_taps * hidden] float
+    weights: ContextKVWeights,
+) -> torch.Tensor:  # [N, hidden]
+    """ctx = hidden_norm(fc(feats)), the drafter's view of the committed target states."""
+    return rms_norm(feats @ weights.fc_weight.T, weights.hidden_norm_weight, weights.eps)
+
+
+def project_context_kv(
+    ctx: torch.Tensor,  # [N, hidden]
+    weights: ContextKVWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v of every draft layer from one matmul each: both [N, n_layers, kv_heads, head_dim]."""
+    n, layers = ctx.shape[0], weights.n_layers
+    shape = (n, layers, weights.num_kv_heads, weights.head_dim)
+    k = ctx @ weights.k_proj_weight.reshape(-1, weights.hidden).T
+    v = ctx @ weights.v_proj_weight.reshape(-1, weights.hidden).T
+    return k.reshape(shape), v.reshape(shape)
+
+
+def write_context_kv_ref(
+    feats: torch.Tensor,  # [N, n_taps * hidden] float: packed taps of committed positions
+    rows: torch.Tensor,  # [N] int64: cache row (sequence slot) of each position
+    pos: torch.Tensor,  # [N] int64: absolute position = cache slot of each position
+    weights: ContextKVWeights,
+    inv_freq: torch.Tensor,  # [head_dim / 2] float32
+    k_cache: torch.Tensor,  # [n_layers, S, kv_heads, Lmax, head_dim] float, written in place
+    v_cache: torch.Tensor,  # [n_layers, S, kv_heads, Lmax, head_dim] float, written in place
+    attention_scaling: float = 1.0,
+) -> None:
+    """Write k_norm + RoPE'd K and plain V of the context into every draft layer's cache."""
+    check_context_kv_inputs(feats, rows, pos, weights, inv_freq, k_cache, v_cache)
+    k, v = project_context_kv(context_features(feats, weights), weights)
+    cos, sin = rope_cos_sin(pos, inv_freq, attention_scaling, k.dtype)  # [N, head_dim]
+    for layer in range(weights.n_layers):
+        k_l = rms_norm(k[:, layer], weights.k_norm_weight[layer], weights.eps)  # [N, kvH, D]
+        k_l = k_l * cos[:, None, :] + rotate_half(k_l) * sin[:, None, :]
+        k_cache[layer, rows, :, pos] = k_l.to(k_cache.dtype)
+        v_cache[layer, rows, :, pos] = v[:, layer].to(v_cache.dtype)

@@ -1,0 +1,14 @@
+"""Suite-wide test setup.
+
+Triton reads TRITON_INTERPRET when it is first imported, so it is set here, before any test
+module can import triton: the plugin kernels then run on CPU in interpreter mode.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
