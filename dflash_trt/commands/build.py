@@ -1,0 +1,76 @@
+"""`dflash-trt build CONFIG.yaml --output DIR [--dry-run] [--force]`: one build config in, one
+self-contained deployment directory out (target/, drafter/, llm_api_options.yaml, triton/, launch/,
+manifest.json; shards/ and engine/ where the backend needs them).
+
+The config is validated before any work. The directory is written next to DIR and renamed into
+place at the end; finished stages are cached in DIR.build-cache/ and reused by a re-run with the
+same inputs. --dry-run prints the plan (stages, commands, estimated sizes) and writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash_trt.errors import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build", help="build a deployment directory from a build config", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", type=Path, help="build config YAML (see build_configs/)")
+    p.add_argument("--output", "-o", type=Path, required=True, help="output directory to create")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the embedded default target (@default) is converted once "
+                        "(default: $DFLASH_TRT_CACHE or ~/.cache/dflash_trt)")
+    p.add_argument("--test-stage-delay", action="append", default=[], metavar="STAGE=SECONDS",
+                   help=argparse.SUPPRESS)  # tests: sleep inside a stage so it can be killed mid-stage
+    p.set_defaults(func=run)
+
+
+def _delays(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, seconds = item.partition("=")
+        try:
+            out[name] = float(seconds)
+        except ValueError:
+            raise ConfigError(f"--test-stage-delay takes STAGE=SECONDS, got '{item}'") from None
+        if not sep:
+            raise ConfigError(f"--test-stage-delay takes STAGE=SECONDS, got '{item}'")
+    return out
+
+
+def _default_target(args: argparse.Namespace) -> Path | None:
+    """The embedded SmolLM2 directory when the config asks for @default (converted once, not on dry runs)."""
+    from dflash_trt.build.config import load_build_config
+    from dflash_trt.commands.common import cache_dir
+    from dflash_trt.models.default import DEFAULT_CACHE_SUBDIR, ensure_default_target
+
+    if load_build_config(args.config).target.path != "@default":
+        return None
+    root = cache_dir(args)
+    return root / DEFAULT_CACHE_SUBDIR if args.dry_run else ensure_default_target(root)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_trt.build.builder import BuildOptions, build
+    from dflash_trt.build.plan import format_plan
+
+    options = BuildOptions(output=args.output.resolve(), dry_run=args.dry_run, force=args.force,
+                           progress=not args.no_progress and sys.stderr.isatty(),
+                           default_target=_default_target(args), stage_delay_s=_delays(args.test_stage_delay))
+    report = build(args.config, options)
+    if args.dry_run:
+        print(format_plan(report.plan))
+        print("dry run: nothing was written")
+        return 0
+    print(report.summary())
+    print(f"built {report.output}")
+    missing = [r for r in report.results if r.status == "missing"]
+    for r in missing:
+        print(f"warning: stage {r.name} was not produced: {r.facts.get('reason', '')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Shared by the DGX B300 job scripts: load a built directory's launch/env.sh, check the Slurm
+# allocation against the build's parallel layout, and wait for an HTTP health endpoint.
+# Usage (sourced): DFLASH_BUILD_DIR=/path/to/build source common.sh
+
+dflash_load_env() {
+  if [[ -z "${DFLASH_BUILD_DIR:-}" ]]; then
+    echo "error: set DFLASH_BUILD_DIR to the output of 'dflash-trt build'" >&2
+    exit 2
+  fi
+  if [[ ! -f "${DFLASH_BUILD_DIR}/launch/env.sh" ]]; then
+    echo "error: ${DFLASH_BUILD_DIR}/launch/env.sh not found: is this a dflash-trt build directory?" >&2
+    exit 2
+  fi
+  # shellcheck source=/dev/null
+  source "${DFLASH_BUILD_DIR}/launch/env.sh"
+}
+
+dflash_check_ranks() {
+  local expected=$((DFLASH_TP * DFLASH_PP))
+  local ntasks="${SLURM_NTASKS:-0}"
+  if [[ "${ntasks}" -ne "${expected}" ]]; then
+    echo "error: SLURM_NTASKS=${ntasks} but the build needs tp*pp = ${DFLASH_TP}*${DFLASH_PP} = ${expected} ranks" >&2
+    exit 2
+  fi
+  if [[ "${SLURM_JOB_NUM_NODES:-1}" -ne "${DFLASH_NODES}" ]]; then
+    echo "error: the job has ${SLURM_JOB_NUM_NODES:-1} node(s), the build was planned for ${DFLASH_NODES}" >&2
+    exit 2
+  fi
+}
+
+# dflash_wait_healthy URL TIMEOUT_S PID: poll URL until it answers 200, the server exits, or time runs out.
+dflash_wait_healthy() {
+  local url="$1" timeout="$2" pid="$3" waited=0
+  until curl -sf -o /dev/null "${url}"; do
+    if ! kill -0 "${pid}" 2>/dev/null; then
+      echo "error: the server exited before ${url} became healthy" >&2
+      return 1
+    fi
+    if (( waited >= timeout )); then
+      echo "error: ${url} not healthy after ${timeout} s" >&2
+      return 1
+    fi
+    sleep 5
+    waited=$((waited + 5))
+  done
+  echo "healthy after ${waited} s: ${url}"
+}
