@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from dflash_trt.commands.common import add_model_flags, engine_config, load
+from dflash_trt.commands.common import add_model_flags, engine_config, load, model_spec
 from dflash_trt.errors import InputError
 from dflash_trt.spec.sampling import SamplingParams
 
@@ -28,6 +28,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks; launch as `mpirun -n N dflash-trt generate --tp N ...`")
+    p.add_argument("--moe-tp-size", type=int, default=1,
+                   help="with --tp: ranks splitting each expert's intermediate dim (the rest split the experts)")
+    p.add_argument("--tp-timeout", type=float, default=300.0, help="with --tp: seconds before a stuck collective fails the job")
     add_model_flags(p)
     p.set_defaults(func=run)
 
@@ -57,11 +62,19 @@ def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp != 1:
+        from dflash_trt.runtime.mpi import TPConfig, tp_main
+
+        config = TPConfig(args.tp, args.moe_tp_size, args.tp_timeout)
+        return tp_main(config, lambda: model_spec(args), engine_config(args), lambda m, e: decode(args, m, e))
     models = load(args)
+    return decode(args, models, models.engine(engine_config(args)))
+
+
+def decode(args: argparse.Namespace, models, engine) -> int:
     ids = prompt_ids(models, args.prompt, args.prompt_ids, args.chat)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-    engine = models.engine(engine_config(args))
     result = engine.generate([ids], params)[0]
     text = models.detokenize(result.tokens) if models.tokenizer is not None else None
     if args.json:

@@ -27,6 +27,10 @@ class QueueFullError(DFlashError):
     """The waiting queue is at its limit; retry later (HTTP 429/503 with Retry-After)."""
 
 
+class SchedulerClosedError(DFlashError):
+    """The scheduler was shut down and takes no new requests (HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_queue: int = 256  # waiting requests beyond the running batch
@@ -84,9 +88,11 @@ class Scheduler:
 
     # ---- submission (any thread) ----------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        seq = self.engine.make_sequence(prompt, params, request_id)  # validates; raises InputError
-        handle = RequestHandle(seq)
         with self._wake:
+            if self._stop:
+                raise SchedulerClosedError("the scheduler is shut down: start a new one to serve requests")
+            # validates (raises InputError); under the lock so concurrent submits get distinct ids
+            handle = RequestHandle(self.engine.make_sequence(prompt, params, request_id))
             if len(self._waiting) >= self.config.max_queue + self.engine.free_rows:
                 raise QueueFullError(f"{len(self._waiting)} requests are waiting (limit {self.config.max_queue}); retry later")
             self._waiting.append(handle)
@@ -111,12 +117,17 @@ class Scheduler:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every waiting or running request ends with an ErrorEvent."""
         with self._wake:
             self._stop = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():  # mid-step: the loop fails its requests when the step ends
+                log.warning("scheduler still finishing a step after %.1f s", timeout)
+                return
+        self._fail_all("server shutting down")  # also when the loop never started
 
     def _loop(self) -> None:
         while True:

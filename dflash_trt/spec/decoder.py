@@ -353,7 +353,7 @@ class DFlashEngine:
         now = time.perf_counter()
         for s in [s for s in self.active if s.finished]:
             s.finished_s = now
-            row = self.active.index(s)
+            row = s.row  # its index in self.active (list.index would compare dataclass fields)
             moved = self.tcache.remove_row(row)
             if self.dcache is not None:
                 self.dcache.remove_row(row)

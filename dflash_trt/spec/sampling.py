@@ -30,8 +30,8 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise InputError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -80,7 +80,7 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     sorted_scores = sorted_scores.masked_fill(~keep, float("-inf"))
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-    keep &= before < top_p.to(torch.float64)[:, None, None]
+    keep = keep & (before < top_p.to(torch.float64)[:, None, None])  # [B, T, V] (keep was [B, 1, V])
     sorted_probs = sorted_probs * keep
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)

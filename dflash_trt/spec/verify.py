@@ -79,7 +79,8 @@ def accept_rejection(
     rows = torch.arange(b, device=draft.device)
     p_next = target_probs[rows, accepted]  # [B, V]
     rejected = accepted < draft_lens
-    q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]
+    pad = draft_probs.new_zeros(b, 1, target_probs.shape[-1])
+    q_pad = torch.cat([draft_probs, pad], dim=1)  # [B, K+1, V]
     residual = (p_next - q_pad[rows, accepted]).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), p_next)

@@ -1,0 +1,93 @@
+"""PNG plots of a bench report (matplotlib, Agg backend: no display needed).
+
+- pareto.png: tokens/s per user against total tokens/s, one curve per mode, one point per
+  concurrency (labelled); up and to the right is better.
+- acceptance.png: per-position acceptance rate (fraction of steps whose draft i was accepted)
+  for each speculative mode and dataset.
+"""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from dflash_trt.bench.report import atomic_write_bytes
+from dflash_trt.errors import BackendUnavailableError
+
+MATPLOTLIB_PIP = "pip install matplotlib"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise BackendUnavailableError(f"plots need matplotlib: `{MATPLOTLIB_PIP}` (or pass --no-plots)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def pareto_plot(sweep: list[dict], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    try:
+        for mode in dict.fromkeys(p["mode"] for p in sweep):
+            pts = sorted((p for p in sweep if p["mode"] == mode and p["total_tokens_per_s"]),
+                         key=lambda p: p["concurrency"])
+            xs = [p["total_tokens_per_s"] for p in pts]
+            ys = [p["tokens_per_s_per_user"] for p in pts]
+            ax.plot(xs, ys, marker="o", label=mode)
+            for p, x, y in zip(pts, xs, ys):
+                ax.annotate(f"c={p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("total tokens/s")
+        ax.set_ylabel("tokens/s per user")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def acceptance_plot(curves: dict[str, list[float]], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    try:
+        for label, rates in curves.items():
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0.0, 1.02)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if curves:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "no speculative mode measured", ha="center", va="center", transform=ax.transAxes)
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    """Write the plots a report supports; returns their file names (relative to out_dir)."""
+    names = []
+    title = report["config"]["target_name"]
+    if report["sweep"]:
+        pareto_plot(report["sweep"], out_dir / "pareto.png", f"Pareto: {title}")
+        names.append("pareto.png")
+    curves = {k: v for k, v in report["per_position_acceptance"].items() if v}
+    if not curves:
+        curves = {f"{p['mode']} c={p['concurrency']}": p["per_position_acceptance"]
+                  for p in report["sweep"] if p["per_position_acceptance"]}
+    acceptance_plot(curves, out_dir / "acceptance.png", f"Acceptance per position: {title}")
+    names.append("acceptance.png")
+    return names

@@ -1,0 +1,138 @@
+"""`dflash-trt triton-repo` and `dflash-trt triton-serve`: DFlash on Triton Inference Server.
+
+triton-repo writes a model repository (Python backend, decoupled/streaming) whose tensors match
+TensorRT-LLM's LLM-API Triton model: text_input, streaming, sampling_param_* -> text_output,
+finish_reason, acceptance_rate, total_accepted_draft_tokens, total_draft_tokens. With --config the
+model spec comes from a YAML (schema in dflash_trt/serve/triton/spec.py); model flags that are
+given with a value other than their default override it.
+
+triton-serve starts nvidia-pytriton's bundled tritonserver on that repository (loopback by
+default), waits until it is ready, and stops it cleanly on SIGTERM / Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from dflash_trt.commands.common import CACHE_ENV, add_model_flags, model_spec
+from dflash_trt.errors import DFlashError
+
+REPO_FLAGS = {  # flag dest -> (section or None, spec key)
+    "target": (None, "target"), "drafter": (None, "drafter"), "target_backend": (None, "target_backend"),
+    "dtype": (None, "dtype"), "model_name": (None, "model_name"), "backend": (None, "backend"),
+    "chat": (None, "chat"), "default_max_tokens": (None, "default_max_tokens"), "torch_threads": (None, "torch_threads"),
+    "block_size": ("engine", "block_size"), "acceptance": ("engine", "acceptance"),
+    "max_seq_len": ("engine", "max_seq_len"), "max_batch_size": ("engine", "max_batch_size"),
+    "max_queue": ("scheduler", "max_queue"), "token_budget": ("scheduler", "token_budget"),
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("triton-repo", help="write a Triton model repository that serves DFlash",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None, help="model spec YAML (see dflash_trt/serve/triton/spec.py)")
+    p.add_argument("--output", type=Path, required=True, help="the model repository folder (created if missing)")
+    p.add_argument("--model-name", default="dflash", help="Triton model name (default: dflash)")
+    p.add_argument("--backend", choices=("torch", "trtllm"), default="torch",
+                   help="torch: our runtime (CPU/CUDA); trtllm: TensorRT-LLM's LLM API with DFlash (GPU machines)")
+    p.add_argument("--chat", action="store_true", help="wrap text_input in the target's chat template")
+    p.add_argument("--default-max-tokens", type=int, default=128, help="when a request has no sampling_param_max_tokens")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads in the model process (default: torch's)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond the running batch")
+    p.add_argument("--token-budget", type=int, default=4096, help="tokens one scheduler step may process")
+    p.add_argument("--force", action="store_true", help="replace an existing model folder")
+    add_model_flags(p)
+    p.set_defaults(func=lambda args: run_repo(args, p))
+
+    s = sub.add_parser("triton-serve", help="start tritonserver on a DFlash model repository",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("repository", type=Path, help="model repository written by triton-repo")
+    s.add_argument("--address", default="127.0.0.1", help="address HTTP, gRPC and metrics bind to (default: loopback)")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--server-dir", type=Path, default=None,
+                   help=f"where tritonserver is assembled (default: ${CACHE_ENV} or ~/.cache/dflash_trt, /tritonserver)")
+    s.add_argument("--log-file", type=Path, default=None, help="tritonserver's log (default: a new file in the temp dir)")
+    s.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    s.add_argument("--exit-timeout", type=int, default=30, help="seconds in-flight requests get after SIGTERM")
+    s.set_defaults(func=run_serve)
+
+
+def _spec_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict, Path]:
+    """The model spec as a dict, and the folder relative paths are taken from."""
+    if args.config is not None:
+        from dflash_trt.serve.triton.spec import TritonModelSpec
+
+        raw = TritonModelSpec.load(args.config).model_dump(mode="json")
+        base = args.config.resolve().parent
+        given = {dest for dest in REPO_FLAGS if getattr(args, dest) != parser.get_default(dest)}
+        if args.no_spec:
+            raw["engine"]["spec"], raw["drafter"] = False, None
+    else:
+        ms = model_spec(args)  # resolves the embedded default target and the shipped drafter
+        raw = {"engine": {"spec": not args.no_spec}, "scheduler": {}}
+        raw["target"], raw["drafter"] = str(ms.target), None if ms.drafter is None else str(ms.drafter)
+        base = Path.cwd()
+        given = set(REPO_FLAGS) - {"target", "drafter"}
+    for dest in given:
+        section, key = REPO_FLAGS[dest]
+        value = getattr(args, dest)
+        value = str(value) if isinstance(value, Path) else value
+        (raw if section is None else raw[section])[key] = value
+    return raw, base
+
+
+def run_repo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from dflash_trt.serve.triton.repo import write_repository
+    from dflash_trt.serve.triton.spec import TritonModelSpec
+
+    raw, base = _spec_dict(args, parser)
+    spec = TritonModelSpec.from_dict(raw, "triton-repo").resolved(base)
+    spec.check_paths()
+    folder = write_repository(spec, args.output, overwrite=args.force)
+    print(f"wrote model '{spec.model_name}' ({spec.backend} backend) to {folder}")
+    print(f"serve it with: dflash-trt triton-serve {args.output}")
+    return 0
+
+
+def _server_dir(args: argparse.Namespace) -> Path:
+    if args.server_dir is not None:
+        return args.server_dir
+    env = os.environ.get(CACHE_ENV)
+    return (Path(env) if env else Path.home() / ".cache" / "dflash_trt") / "tritonserver"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from dflash_trt.serve.triton.launcher import ServerConfig, TritonServer, assemble_server
+
+    log_file = args.log_file
+    if log_file is None:
+        fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+        os.close(fd)
+        log_file = Path(name)
+    config = ServerConfig(repository=args.repository, server_dir=assemble_server(_server_dir(args)), log_file=log_file,
+                          address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, ready_timeout_s=args.ready_timeout,
+                          exit_timeout_s=args.exit_timeout)
+    server = TritonServer(config, os.environ)
+    previous = {sig: signal.signal(sig, lambda *_: server.request_stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        print(f"tritonserver starting (log: {log_file})", flush=True)
+        try:
+            server.wait_ready()
+        except DFlashError:
+            server.stop()
+            raise
+        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+              f"metrics http://{args.address}:{args.metrics_port}/metrics", flush=True)
+        code = server.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"tritonserver stopped (exit code {code})", flush=True)
+    return 0 if code == 0 else max(code, 1)

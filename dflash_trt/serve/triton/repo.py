@@ -1,0 +1,95 @@
+"""Write a Triton model repository that serves DFlash:
+
+    REPO/<model_name>/config.pbtxt     python backend, decoupled, max_batch_size 0, one CPU instance,
+                                       the tensors of protocol.py, parameter dflash_model_yaml
+    REPO/<model_name>/1/model.py       imports TritonPythonModel from the installed dflash_trt
+    REPO/<model_name>/1/model.yaml     the resolved TritonModelSpec (spec.py)
+
+The model folder is built next to its final place and renamed in, so a crash never leaves a
+half-written model for Triton to load.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflash_trt.errors import ConfigError
+from dflash_trt.serve.triton.protocol import INPUTS, OUTPUTS, TensorSpec
+from dflash_trt.serve.triton.spec import MODEL_YAML, TritonModelSpec
+
+VERSION = "1"
+YAML_PARAMETER = "dflash_model_yaml"  # config.pbtxt parameter: the spec YAML, relative to the model folder
+
+MODEL_PY = '''"""DFlash speculative decoding on Triton's Python backend (written by `dflash-trt triton-repo`).
+
+The model lives in the dflash_trt package (dflash_trt/serve/triton/model.py). Triton's Python stub
+must run in the Python environment where dflash_trt is installed: start the server with
+`dflash-trt triton-serve REPO`, which puts that environment's bin/ first on PATH (or do so yourself).
+"""
+import sys
+
+try:
+    from dflash_trt.serve.triton.model import TritonPythonModel  # noqa: F401
+except ImportError as exc:
+    raise ImportError(
+        f"the DFlash Triton model needs the dflash_trt package in the stub's Python ({sys.executable}): {exc}. "
+        "Start tritonserver with `dflash-trt triton-serve REPO`, or put the bin/ folder of the environment "
+        "where dflash_trt is installed first on PATH."
+    ) from exc
+'''
+
+
+def _tensor_block(spec: TensorSpec) -> str:
+    dims = ", ".join(str(d) for d in spec.dims)
+    lines = [f'    name: "{spec.name}"', f"    data_type: {spec.triton_type}", f"    dims: [ {dims} ]"]
+    if spec.optional:
+        lines.append("    optional: true")
+    return "  {\n" + "\n".join(lines) + "\n  }"
+
+
+def config_pbtxt(spec: TritonModelSpec) -> str:
+    inputs = ",\n".join(_tensor_block(t) for t in INPUTS)
+    outputs = ",\n".join(_tensor_block(t) for t in OUTPUTS)
+    return (
+        "# DFlash speculative decoding (written by `dflash-trt triton-repo`). Tensors follow TensorRT-LLM's\n"
+        "# LLM-API Triton model (triton_backend/all_models/llmapi/tensorrt_llm).\n"
+        f'name: "{spec.model_name}"\n'
+        'backend: "python"\n'
+        "max_batch_size: 0  # one prompt per request; our scheduler batches requests across clients\n"
+        "model_transaction_policy {\n  decoupled: true\n}\n"
+        "instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]\n"
+        f"input [\n{inputs}\n]\n"
+        f"output [\n{outputs}\n]\n"
+        "parameters {\n"
+        f'  key: "{YAML_PARAMETER}"\n'
+        f'  value {{ string_value: "{VERSION}/{MODEL_YAML}" }}\n'
+        "}\n"
+    )
+
+
+def write_repository(spec: TritonModelSpec, output: Path, overwrite: bool = False) -> Path:
+    """Write REPO/<model_name>/ for `spec` (already resolved and checked). Returns the model folder."""
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    final = output / spec.model_name
+    if final.exists() and not overwrite:
+        raise ConfigError(f"{final} already exists: pass --force to replace it, or choose another --output")
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.model_name}.", dir=output))
+    try:
+        (staging / VERSION).mkdir()
+        (staging / "config.pbtxt").write_text(config_pbtxt(spec))
+        (staging / VERSION / "model.py").write_text(MODEL_PY)
+        (staging / VERSION / MODEL_YAML).write_text(spec.to_yaml())
+        staging.chmod(0o755)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{spec.model_name}.old.", dir=output))
+            final.rename(old / spec.model_name)
+            staging.rename(final)
+            shutil.rmtree(old)
+        else:
+            staging.rename(final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return final
