@@ -159,6 +159,8 @@ class DrafterConfig:
             )
         if not 2 <= self.block_size <= 64:
             raise ConfigError(f"{where}: block_size must be in [2, 64], got {self.block_size}")
+        if self.attention_bias:
+            raise ConfigError(f"{where}: attention_bias is true, but DFlash drafters have no attention biases")
         if self.head_dim % 2:
             raise ConfigError(f"{where}: head_dim must be even for RoPE, got {self.head_dim}")
         bad = [t for t in self.target_layer_ids if not 0 <= t < self.num_target_layers]

@@ -32,6 +32,7 @@ from dflash_trt.errors import CheckpointError, InputError
 from dflash_trt.models.kv_cache import CacheSpec, RaggedKVCache
 from dflash_trt.models.layers import apply_rope, attend, attention_mask, rope_cos_sin
 from dflash_trt.models.transformer import RMSNorm
+from plugins.kernels.contracts import ContextKVWeights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -60,13 +61,11 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx, rope_block, rope_ctx, cache, rows, block_pos, ctx_slots, row_end, kv_end):
+    def forward(self, x, rope_block, cache, rows, block_pos, row_end, kv_end):
+        """Context K/V of this layer are already in the cache (DFlashDrafter.write_context)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *rope_block)
-        if ctx is not None:
-            k_ctx, v_ctx = self.kv(ctx, *rope_ctx)
-            cache.write(self.layer_idx, rows, ctx_slots, k_ctx, v_ctx)
         k_blk, v_blk = self.kv(x, *rope_block)
         cache.write(self.layer_idx, rows, block_pos, k_blk, v_blk)
         keys, values = cache.read(self.layer_idx, rows, kv_end)
@@ -94,8 +93,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, *args):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, *args)
+    def forward(self, x, *args):
+        x = x + self.self_attn(self.input_layernorm(x), *args)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,18 +156,43 @@ class DFlashDrafter(nn.Module):
         """
         dtype = self.fc.weight.dtype
         x = block_embeds.to(dtype)
-        rope_block = rope_cos_sin(block_pos, self.inv_freq, self.rope_scaling, dtype)
-        ctx = rope_ctx = None
         if ctx_taps is not None and ctx_taps.shape[1] > 0:
             if ctx_slots is None or ctx_slots.shape != ctx_taps.shape[:2]:
                 raise InputError("ctx_slots must be given with the same [B, C] shape as ctx_taps")
-            ctx = self.fuse(ctx_taps)
-            rope_ctx = rope_cos_sin(ctx_slots, self.inv_freq, self.rope_scaling, dtype)
+            self.write_context(cache, rows, ctx_taps, ctx_slots)
+        rope_block = rope_cos_sin(block_pos, self.inv_freq, self.rope_scaling, dtype)
         row_end = block_pos[:, -1] + 1  # [B]
         kv_end = int(row_end.max())
         for layer in self.layers:
-            x = layer(x, ctx, rope_block, rope_ctx, cache, rows, block_pos, ctx_slots, row_end, kv_end)
+            x = layer(x, rope_block, cache, rows, block_pos, row_end, kv_end)
         return self.norm(x)
+
+    def context_kv_weights(self) -> ContextKVWeights:
+        attn = [layer.self_attn for layer in self.layers]
+        return ContextKVWeights(
+            fc_weight=self.fc.weight, hidden_norm_weight=self.hidden_norm.weight,
+            k_proj_weight=torch.stack([a.k_proj.weight for a in attn]),
+            v_proj_weight=torch.stack([a.v_proj.weight for a in attn]),
+            k_norm_weight=torch.stack([a.k_norm.weight for a in attn]),
+            num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, eps=self.cfg.rms_norm_eps,
+        )
+
+    def write_context(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor, ctx_slots: torch.Tensor) -> None:
+        """KV injection: fc -> hidden_norm -> every layer's k_proj/k_norm/RoPE and v_proj, written
+        into the draft cache at the context positions (padding slots are skipped). Runs the fused
+        Triton kernel on CUDA and its torch reference elsewhere (plugins.kernels)."""
+        from plugins.kernels import write_context_kv
+
+        real = ctx_slots < cache.dead_slot  # [B, C]
+        row_idx = (torch.arange(ctx_slots.shape[0], device=ctx_slots.device)[:, None] + rows.start).expand_as(ctx_slots)
+        feats = ctx_taps.to(self.fc.weight.dtype)[real]  # [N, n_taps * H]
+        if feats.shape[-1] != self.fc.in_features:
+            raise InputError(
+                f"target features have width {feats.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"({self.cfg.num_taps} taps x hidden {self.cfg.hidden_size})"
+            )
+        write_context_kv(feats, row_idx[real], ctx_slots[real], self.context_kv_weights(), self.inv_freq.float(),
+                         cache.k, cache.v, attention_scaling=self.rope_scaling)
 
     # ---- checkpoint I/O -------------------------------------------------------------------
     @classmethod

@@ -1,6 +1,7 @@
 """A ragged KV cache: one row per sequence, slot index == absolute position.
 
-Each layer holds K and V buffers `[rows, kv_heads, capacity + 1, head_dim]`. A token at absolute
+K and V are single buffers `[layers, rows, kv_heads, capacity + 1, head_dim]` (so fused kernels can
+write every layer at once); `k[layer]` is one layer's view. A token at absolute
 position p of row b lives at slot p, so "cropping" a row after a partial acceptance only lowers its
 length: slots at or beyond the length hold stale values that are rewritten before any query can
 attend to them (a query at position p only sees slots <= p, and every slot between the committed
@@ -37,9 +38,9 @@ class RaggedKVCache:
             raise InputError(f"cache needs max_rows >= 1 and capacity >= 1, got {max_rows}, {spec.capacity}")
         self.spec = spec
         self.max_rows = max_rows
-        shape = (max_rows, spec.num_kv_heads, spec.capacity + 1, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        shape = (spec.num_layers, max_rows, spec.num_kv_heads, spec.capacity + 1, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [L, rows, kvH, cap + 1, D]
+        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.lengths = torch.zeros(max_rows, dtype=torch.long, device=spec.device)  # [max_rows]
         self.num_rows = 0
 
@@ -68,8 +69,8 @@ class RaggedKVCache:
         last = self.num_rows - 1
         moved = None
         if row != last:
-            for buf in (*self.k, *self.v):
-                buf[row].copy_(buf[last])
+            for buf in (self.k, self.v):
+                buf[:, row].copy_(buf[:, last])
             self.lengths[row] = self.lengths[last]
             moved = last
         self.lengths[last] = 0

@@ -140,6 +140,10 @@ class HFTarget:
         return cls(model)
 
     @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
     def info(self) -> TargetInfo:
         c = self.config
         eos = c.eos_token_id

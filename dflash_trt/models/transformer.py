@@ -217,6 +217,10 @@ class NativeCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
 
     @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
     def info(self) -> TargetInfo:
         eos = self.config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))

@@ -24,7 +24,8 @@ from dflash_trt.config import check_drafter_matches_target
 from dflash_trt.errors import ConfigError, ContextLengthError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.spec.sampling import SamplingParams, inverse_cdf, new_generator, processed_probs
-from dflash_trt.spec.verify import accept_prefix, accept_rejection
+from dflash_trt.spec.verify import accept_rejection
+from plugins.kernels import accept_tokens
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class DFlashEngine:
                 f"({self.info.max_position_embeddings} positions)"
             )
         self.detokenize = detokenize
+        self.device = target.device
         capacity = config.max_seq_len + self.block_size
         self.tcache = target.new_cache(config.max_batch_size, capacity)
         self.dcache = drafter.new_cache(config.max_batch_size, capacity) if self.spec else None
@@ -190,19 +192,20 @@ class DFlashEngine:
             s.row = rows[i]
             ids[i, : len(s.prompt)] = torch.tensor(s.prompt)
             pos[i, : len(s.prompt)] = torch.arange(len(s.prompt))
+        ids, pos, lens = ids.to(self.device), pos.to(self.device), lens.to(self.device)
         row_slice = slice(rows.start, rows.stop)
         taps = self.drafter.cfg.target_layer_ids if self.spec else ()
         out = self.target.forward(self.tcache, row_slice, ids, pos, taps, logit_index=(lens - 1)[:, None])
         self.tcache.crop(lens, row_slice)
-        first = self._choose(out.logits, seqs)[:, 0]  # [B]
+        first = self._choose(out.logits, seqs)[:, 0].tolist()  # [B]
         outputs = []
         now = time.perf_counter()
         for i, s in enumerate(seqs):
-            s.start, s.pending, s.first_token_s = len(s.prompt), int(first[i]), now
+            s.start, s.pending, s.first_token_s = len(s.prompt), first[i], now
             if self.spec:
                 s.ctx_taps, s.ctx_pos = out.taps[i, : len(s.prompt)], 0
             self.active.append(s)
-            outputs.append(StepOutput(s, self._emit(s, [int(first[i])])))
+            outputs.append(StepOutput(s, self._emit(s, [first[i]])))
         self._retire()
         return outputs
 
@@ -220,6 +223,7 @@ class DFlashEngine:
         mask_id = self.drafter.mask_token_id if self.spec else 0
         block = torch.full((n, t), mask_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.pending for s in seqs])
+        start, block_pos, block = start.to(self.device), block_pos.to(self.device), block.to(self.device)
         draft_probs = None
         # 2. one drafter forward
         if self.spec:
@@ -230,31 +234,32 @@ class DFlashEngine:
         taps = self.drafter.cfg.target_layer_ids if self.spec else ()
         out = self.target.forward(self.tcache, rows, block, block_pos, taps)
         # 4. acceptance
-        accepted, bonus = self._accept(block, out.logits, draft_probs, seqs)
+        accepted, bonus = self._accept(block, start, out.logits, draft_probs, seqs)
         # 5. commit
         self.tcache.crop(start + accepted + 1)
         outputs = []
+        accepted_l, bonus_l, block_l = accepted.tolist(), bonus.tolist(), block.tolist()  # one sync
         for i, s in enumerate(seqs):
-            a = int(accepted[i])
+            a = accepted_l[i]
             s.steps.append(StepStat(draft_tokens=t - 1, accepted=a))
             if self.spec:
                 s.ctx_taps, s.ctx_pos = out.taps[i, : a + 1], s.start
             s.start += a + 1
-            s.pending = int(bonus[i])
-            outputs.append(StepOutput(s, self._emit(s, block[i, 1 : a + 1].tolist() + [s.pending])))
+            s.pending = bonus_l[i]
+            outputs.append(StepOutput(s, self._emit(s, block_l[i][1 : a + 1] + [s.pending])))
         self._retire()
         return outputs
 
     def _draft_forward(self, seqs, block, block_pos, rows) -> torch.Tensor:
         width = max(s.ctx_taps.shape[0] for s in seqs)
         feat = seqs[0].ctx_taps.shape[-1]
-        ctx = torch.zeros(len(seqs), width, feat, dtype=seqs[0].ctx_taps.dtype)
+        ctx = torch.zeros(len(seqs), width, feat, dtype=seqs[0].ctx_taps.dtype, device=self.device)
         slots = torch.full((len(seqs), width), self.dcache.dead_slot, dtype=torch.long)
         for i, s in enumerate(seqs):
             c = s.ctx_taps.shape[0]
             ctx[i, :c] = s.ctx_taps
             slots[i, :c] = torch.arange(s.ctx_pos, s.ctx_pos + c)
-        hidden = self.drafter(self.dcache, rows, ctx, slots, self.target.embed(block), block_pos)
+        hidden = self.drafter(self.dcache, rows, ctx, slots.to(self.device), self.target.embed(block), block_pos)
         self.dcache.crop(block_pos[:, 0].clone())  # keep context only: block K/V are dropped
         return hidden
 
@@ -263,11 +268,14 @@ class DFlashEngine:
 
     def _params(self, seqs, idx):
         sel = [seqs[i].params for i in idx]
-        return (torch.tensor([p.temperature for p in sel], dtype=torch.float64),
-                torch.tensor([p.top_k for p in sel]), torch.tensor([p.top_p for p in sel], dtype=torch.float64))
+        dev = self.device
+        return (torch.tensor([p.temperature for p in sel], dtype=torch.float64, device=dev),
+                torch.tensor([p.top_k for p in sel], device=dev),
+                torch.tensor([p.top_p for p in sel], dtype=torch.float64, device=dev))
 
     def _uniforms(self, seqs, idx, count: int) -> torch.Tensor:
-        return torch.stack([torch.rand(count, generator=seqs[i].generator, dtype=torch.float64) for i in idx])
+        draws = [torch.rand(count, generator=seqs[i].generator, dtype=torch.float64) for i in idx]  # CPU generators
+        return torch.stack(draws).to(self.device)
 
     def _choose(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """The target's choice at every position: argmax, or a sample for sampled rows. [B, T]."""
@@ -288,18 +296,21 @@ class DFlashEngine:
         drafts[idx] = inverse_cdf(q, self._uniforms(seqs, idx, draft_logits.shape[1]))
         return drafts, q
 
-    def _accept(self, block, logits, draft_probs, seqs):
+    def _accept(self, block, start, logits, draft_probs, seqs):
+        """Greedy / exact-sampling rows go through the batched acceptance kernel (Triton on CUDA,
+        its torch reference, spec.verify.accept_prefix, elsewhere); rejection-mode rows through
+        spec.verify.accept_rejection."""
         n, k = block.shape[0], block.shape[1] - 1
-        lens = torch.full((n,), k, dtype=torch.long)
+        lens = torch.full((n,), k, dtype=torch.long, device=self.device)
         if draft_probs is None:
-            acc = accept_prefix(block[:, 1:], self._choose(logits, seqs), lens)
+            acc = accept_tokens(block[:, 1:], self._choose(logits, seqs), lens, start)
             return acc.accepted, acc.bonus
         idx = self._sampled_rows(seqs)
         greedy = [i for i in range(n) if i not in idx]
-        accepted = torch.zeros(n, dtype=torch.long)
-        bonus = torch.zeros(n, dtype=torch.long)
+        accepted = torch.zeros(n, dtype=torch.long, device=self.device)
+        bonus = torch.zeros(n, dtype=torch.long, device=self.device)
         if greedy:
-            acc = accept_prefix(block[greedy, 1:], logits[greedy].argmax(-1), lens[greedy])
+            acc = accept_tokens(block[greedy, 1:], logits[greedy].argmax(-1), lens[greedy], start[greedy])
             accepted[greedy], bonus[greedy] = acc.accepted, acc.bonus
         p = processed_probs(logits[idx], *self._params(seqs, idx))
         acc = accept_rejection(block[idx, 1:], draft_probs, p, lens[idx],

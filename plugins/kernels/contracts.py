@@ -13,7 +13,7 @@ import torch
 
 from dflash_trt.errors import InputError
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # float64: CPU oracle runs
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.models.layers import rms_norm, rope_cos_sin
+from dflash_trt.spec.verify import accept_prefix  # the one implementation of the acceptance rule
+
 from .contracts import (
     AcceptResult,
     ContextKVWeights,
@@ -26,15 +29,9 @@ def accept_tokens_ref(
     start_pos: torch.Tensor,  # [batch] int64: position of block slot 0
 ) -> AcceptResult:
     """Longest matching prefix per row, the bonus token after it, and the next start position."""
-    batch, k = check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
-    if k == 0:
-        accepted = torch.zeros(batch, dtype=torch.int64, device=draft_tokens.device)
-    else:
-        cols = torch.arange(k, device=draft_tokens.device)
-        match = (draft_tokens == target_tokens[:, :k]) & (cols[None, :] < draft_lens[:, None])
-        accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-    bonus = target_tokens.gather(1, accepted[:, None]).squeeze(1)
-    return AcceptResult(accepted=accepted, bonus=bonus, new_pos=start_pos + accepted + 1)
+    check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
+    acc = accept_prefix(draft_tokens, target_tokens, draft_lens)
+    return AcceptResult(accepted=acc.accepted, bonus=acc.bonus, new_pos=start_pos + acc.accepted + 1)
 
 
 def pack_taps_ref(
@@ -50,32 +47,9 @@ def pack_taps_ref(
     return PackedTaps(packed=packed, counts=counts)
 
 
-def rms_norm(
-    x: torch.Tensor,  # [..., dim] float
-    weight: torch.Tensor,  # broadcastable to x: [..., dim]
-    eps: float,
-) -> torch.Tensor:
-    """Qwen3 RMSNorm: normalise in float32, cast back, then scale."""
-    x32 = x.to(torch.float32)
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_cos_sin(
-    pos: torch.Tensor,  # [N] int64: absolute positions
-    inv_freq: torch.Tensor,  # [head_dim / 2] float32
-    attention_scaling: float,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [N, head_dim] (halves duplicated), scaled, cast to `dtype`."""
-    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
 def context_features(

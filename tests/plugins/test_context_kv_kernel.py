@@ -73,7 +73,7 @@ BAD = [
     ("pos_past_cache", dict(pos=i64([0, 1, 2, 7, 8, 12])), "pos must lie"),
     ("row_past_cache", dict(rows=i64([0, 0, 0, 3, 2, 1])), "rows must lie"),
     ("cache_heads", dict(k_cache=torch.zeros(2, 3, 1, 12, 8)), "k_cache and v_cache must match"),
-    ("feats_dtype", dict(feats=torch.zeros(6, 32, dtype=torch.float64)), "feats must have dtype"),
+    ("feats_dtype", dict(feats=torch.zeros(6, 32, dtype=torch.int32)), "feats must have dtype"),
     ("inv_freq_len", dict(freq=torch.ones(3)), "inv_freq must be"),
     ("rows_len", dict(rows=i64([0, 1])), "rows must be"),
 ]
