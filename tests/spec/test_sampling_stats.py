@@ -22,6 +22,7 @@ import torch
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
 from dflash_trt.spec import decoder
+from plugins.kernels import reference as kernel_reference
 from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
 from dflash_trt.spec.sampling import SamplingParams, inverse_cdf, processed_probs
 from dflash_trt.spec.verify import Acceptance, accept_prefix, accept_rejection
@@ -191,13 +192,14 @@ def _ignore_q(draft, draft_probs, target_probs, draft_lens, accept_uniforms, res
     return accept_rejection(draft, target_probs[:, :k], target_probs, draft_lens, accept_uniforms, resample_uniforms)
 
 
-@pytest.mark.parametrize("acceptance,name,broken", [
-    ("exact", "accept_prefix", _accept_first_always),
-    ("rejection", "accept_rejection", _ignore_q),
+@pytest.mark.parametrize("acceptance,module,name,broken", [
+    # the engine reaches accept_prefix through the acceptance kernel's CPU reference
+    ("exact", kernel_reference, "accept_prefix", _accept_first_always),
+    ("rejection", decoder, "accept_rejection", _ignore_q),
 ])
-def test_broken_acceptance_fails_chi_square(models, monkeypatch, acceptance, name, broken):
+def test_broken_acceptance_fails_chi_square(models, monkeypatch, acceptance, module, name, broken):
     """Negative control: the same test detects a wrong acceptance rule."""
-    monkeypatch.setattr(decoder, name, broken)
+    monkeypatch.setattr(module, name, broken)
     params = SamplingParams(temperature=1.0)
     counts, _ = sample_counts(models, params, acceptance)
     stat, critical = chi_square(counts, models[2].joint(params))
