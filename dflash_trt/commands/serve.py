@@ -1,0 +1,113 @@
+"""`dflash-trt serve`: an OpenAI-compatible HTTP server with DFlash speculative decoding.
+
+  dflash-trt serve [MODEL] [--drafter DIR] [--config cfg.yaml] [--host 127.0.0.1] [--port 8000]
+                   [--api-key KEY] [--max-batch-size N] [--max-queue N] ...
+
+MODEL is the target checkpoint directory (same as --target); with none, the embedded default is
+served. `--config` takes the YAML that `trtllm-serve --config` takes, e.g.
+  speculative_config: {decoding_type: DFlash, max_draft_len: 15, speculative_model: /path/to/drafter}
+  max_batch_size: 16
+  max_seq_len: 4096
+Values from the file apply as if given as flags (max_draft_len N -> --block-size N+1,
+speculative_model -> --drafter, use_rejection_sampling -> --acceptance rejection); a flag given
+explicitly with a different value is an error. Endpoints: /v1/models, /v1/completions,
+/v1/chat/completions, /health, /metrics. Binds to loopback unless --host says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash_trt.commands.common import add_model_flags, engine_config, model_spec
+from dflash_trt.errors import ConfigError
+
+# flag dest -> ServeOverrides field, for the --config file
+_OVERRIDABLE = {"drafter": "drafter", "block_size": "block_size", "no_spec": "no_spec", "acceptance": "acceptance",
+                "max_batch_size": "max_batch_size", "max_seq_len": "max_seq_len", "max_num_tokens": "max_num_tokens",
+                "max_input_len": "max_input_len", "dtype": "dtype", "tp": "tensor_parallel_size"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, DFlash)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", type=Path, default=None, help="target checkpoint directory (same as --target)")
+    p.add_argument("--config", "--extra_llm_api_options", dest="config", type=Path, default=None,
+                   help="trtllm-serve style YAML: speculative_config + LLM-API keys (unknown keys are errors)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: `mpirun -n N dflash-trt serve --tp N`")
+    s.add_argument("--moe-tp-size", type=int, default=1,
+                   help="with --tp: ranks splitting each expert's intermediate dim (the rest split the experts)")
+    s.add_argument("--tp-timeout", type=float, default=300.0, help="with --tp: seconds before a stuck collective fails")
+    s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond the batch; more get 429")
+    s.add_argument("--max-num-tokens", type=int, default=4096, help="tokens one decode step may process")
+    s.add_argument("--max-input-len", type=int, default=None, help="refuse longer prompts with 400")
+    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    add_model_flags(p)
+    p.set_defaults(func=run, _serve_parser=p)
+
+
+def _apply_config(args: argparse.Namespace) -> None:
+    """Fold the --config file into args (in place); an explicit flag that disagrees is an error."""
+    from dflash_trt.config import DrafterConfig
+    from dflash_trt.serve.config import check_against_drafter, load_llm_api_config, resolve_overrides
+
+    over = resolve_overrides(load_llm_api_config(args.config))
+    tp = over.tensor_parallel_size
+    if tp is not None and tp > 1 and args.tp != tp:
+        raise ConfigError(f"{args.config} sets tensor_parallel_size: {tp}: launch with --tp {tp} "
+                          f"(under mpirun -n {tp}) or remove the key")
+    parser: argparse.ArgumentParser = args._serve_parser
+    for dest, name in _OVERRIDABLE.items():
+        value = getattr(over, name)
+        if value is None:
+            continue
+        current, default = getattr(args, dest), parser.get_default(dest)
+        if current != default and current != value:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{args.config} sets {name}={value} but {flag} is {current}: give it in one place")
+        setattr(args, dest, value)
+    if over.mask_token_id is not None or over.target_layer_ids is not None or over.block_size is not None:
+        if args.drafter is not None and not args.no_spec:
+            check_against_drafter(over, DrafterConfig.load(args.drafter), str(args.drafter))
+        elif over.mask_token_id is not None or over.target_layer_ids is not None:
+            raise ConfigError("speculative_config.mask_token_id / target_layer_ids need a drafter to check against: "
+                              "set speculative_model or --drafter")
+
+
+def _server_config(args: argparse.Namespace, target: Path):
+    from dflash_trt.serve.config import ServerConfig
+
+    name = args.served_model_name or (str(args.target) if args.target is not None else target.name)
+    return ServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+                        max_input_len=args.max_input_len, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        if args.target is not None and args.target != args.model:
+            raise ConfigError(f"MODEL ({args.model}) and --target ({args.target}) disagree: give one of them")
+        args.target = args.model
+    if args.config is not None:
+        _apply_config(args)
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+    from dflash_trt.runtime.loader import load_models
+    from dflash_trt.runtime.scheduler import SchedulerConfig
+    from dflash_trt.serve.openai_server import serve
+
+    eng = engine_config(args)
+    sched = SchedulerConfig(max_queue=args.max_queue, token_budget=args.max_num_tokens)
+
+    def lead(models, engine) -> int:  # rank 0 (or the only rank) serves HTTP
+        return serve(models, engine, sched, _server_config(args, Path(models.spec.target)))
+
+    if args.tp > 1:
+        from dflash_trt.runtime.mpi import TPConfig, tp_main
+
+        return tp_main(TPConfig(args.tp, args.moe_tp_size, args.tp_timeout), lambda: model_spec(args), eng, lead)
+    models = load_models(model_spec(args))
+    return lead(models, models.engine(eng))

@@ -1,0 +1,59 @@
+"""The OpenAI-compatible server over the continuous-batching Scheduler (entry points).
+
+`create_app(models, engine, scheduler_config, server_config)` builds the ASGI app over an engine
+(`models.engine(config)`, or rank 0's broadcasting engine of a TP job; the scheduler thread
+starts with the app); `serve(...)` runs it under uvicorn until interrupted. The modules behind it:
+- config.py: the trtllm-serve `--config` YAML (speculative_config and LLM-API keys) and ServerConfig;
+- schemas.py: strict OpenAI request bodies and the OpenAI error shape;
+- app.py: routes, SSE streaming, auth, cancellation on disconnect;
+- bridge.py: scheduler events -> asyncio, incremental detokenization with stop strings;
+- metrics.py: Prometheus metrics (vLLM-style spec-decode counters under `dflash:`).
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from dflash_trt.runtime.loader import LoadedModels
+from dflash_trt.runtime.scheduler import Scheduler, SchedulerConfig
+from dflash_trt.serve.app import ServerState, build_app
+from dflash_trt.serve.config import ServerConfig
+from dflash_trt.serve.metrics import ServerMetrics
+from dflash_trt.spec.decoder import DFlashEngine
+
+log = logging.getLogger(__name__)
+
+
+def create_app(models: LoadedModels, engine: DFlashEngine, scheduler_config: SchedulerConfig,
+               server_config: ServerConfig):
+    scheduler = Scheduler(engine, scheduler_config)
+    metrics = ServerMetrics(num_positions=engine.block_size - 1, running=lambda: scheduler.num_running,
+                            waiting=lambda: scheduler.queue_depth, model_name=server_config.served_model_name)
+    detokenize = models.detokenize if models.tokenizer is not None else None
+    state = ServerState(scheduler=scheduler, config=server_config, tokenizer=models.tokenizer,
+                        detokenize=detokenize, metrics=metrics)
+    return build_app(state)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(models: LoadedModels, engine: DFlashEngine, scheduler_config: SchedulerConfig,
+          server_config: ServerConfig) -> int:
+    """Run the server in this thread until SIGINT/SIGTERM."""
+    import uvicorn
+
+    if not _is_loopback(server_config.host) and server_config.api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
+                    server_config.host)
+    app = create_app(models, engine, scheduler_config, server_config)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                            log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+    return 0
