@@ -14,7 +14,7 @@ import sys
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashError
 
-COMMANDS = ("generate", "demo", "bench", "serve", "triton", "build", "quantize")
+COMMANDS = ("generate", "demo", "bench", "serve", "triton", "build", "train", "quantize")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ Checkpoint format (as published by the DFlash authors): config.json with
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -33,6 +34,16 @@ from dflash_trt.models.kv_cache import CacheSpec, RaggedKVCache
 from dflash_trt.models.layers import apply_rope, attend, attention_mask, rope_cos_sin
 from dflash_trt.models.transformer import RMSNorm
 from plugins.kernels.contracts import ContextKVWeights
+
+log = logging.getLogger(__name__)
+_logged_paths: set[tuple[str, str]] = set()
+
+
+def _log_context_path(path: str, device: torch.device) -> None:
+    if (path, device.type) not in _logged_paths:
+        _logged_paths.add((path, device.type))
+        log.info("draft context K/V on %s: %s", device.type, path)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -177,22 +188,39 @@ class DFlashDrafter(nn.Module):
             num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, eps=self.cfg.rms_norm_eps,
         )
 
-    def write_context(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor, ctx_slots: torch.Tensor) -> None:
+    def write_context(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor, ctx_slots: torch.Tensor,
+                      fused: bool | None = None) -> None:
         """KV injection: fc -> hidden_norm -> every layer's k_proj/k_norm/RoPE and v_proj, written
-        into the draft cache at the context positions (padding slots are skipped). Runs the fused
-        Triton kernel on CUDA and its torch reference elsewhere (plugins.kernels)."""
-        from plugins.kernels import write_context_kv
+        into the draft cache at the context positions (padding slots go to the dead slot).
 
-        real = ctx_slots < cache.dead_slot  # [B, C]
-        row_idx = (torch.arange(ctx_slots.shape[0], device=ctx_slots.device)[:, None] + rows.start).expand_as(ctx_slots)
-        feats = ctx_taps.to(self.fc.weight.dtype)[real]  # [N, n_taps * H]
-        if feats.shape[-1] != self.fc.in_features:
+        fused=None picks the fused kernel (plugins.kernels.write_context_kv: Triton on CUDA) when
+        the tensors are on CUDA and the projections are plain linears, and this module's own layers
+        otherwise (CPU, quantized weights, calibration hooks that must see every linear).
+        """
+        if ctx_taps.shape[-1] != self.fc.in_features:
             raise InputError(
-                f"target features have width {feats.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"target features have width {ctx_taps.shape[-1]}, the drafter expects {self.fc.in_features} "
                 f"({self.cfg.num_taps} taps x hidden {self.cfg.hidden_size})"
             )
-        write_context_kv(feats, row_idx[real], ctx_slots[real], self.context_kv_weights(), self.inv_freq.float(),
-                         cache.k, cache.v, attention_scaling=self.rope_scaling)
+        plain = all(type(m) is nn.Linear for m in (self.fc, *(p for layer in self.layers
+                                                              for p in (layer.self_attn.k_proj, layer.self_attn.v_proj))))
+        if fused is None:
+            fused = ctx_taps.is_cuda and plain
+        _log_context_path("fused kernel" if fused else "drafter modules", ctx_taps.device)
+        if fused:
+            from plugins.kernels import write_context_kv
+
+            real = ctx_slots < cache.dead_slot  # [B, C]
+            row_idx = torch.arange(ctx_slots.shape[0], device=ctx_slots.device)[:, None] + rows.start
+            feats = ctx_taps.to(self.fc.weight.dtype)[real]  # [N, n_taps * H]
+            write_context_kv(feats, row_idx.expand_as(ctx_slots)[real], ctx_slots[real], self.context_kv_weights(),
+                             self.inv_freq.float(), cache.k, cache.v, attention_scaling=self.rope_scaling)
+            return
+        ctx = self.fuse(ctx_taps)
+        rope_ctx = rope_cos_sin(ctx_slots, self.inv_freq, self.rope_scaling, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, *rope_ctx)
+            cache.write(i, rows, ctx_slots, k, v)
 
     # ---- checkpoint I/O -------------------------------------------------------------------
     @classmethod

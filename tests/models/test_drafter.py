@@ -182,3 +182,21 @@ def test_feature_width_mismatch_is_an_input_error(target_cfg):
         drafter(cache, slice(0, 1), torch.randn(1, 2, 64), torch.arange(2)[None], torch.randn(1, 4, 64),
                 torch.arange(2, 6)[None])
 
+
+
+def test_fused_context_path_equals_module_path(target_cfg):
+    """The fused context K/V op (plugins.kernels; its torch reference on CPU, Triton on CUDA)
+    writes the same cache as the drafter's own layers, padding rows included."""
+    drafter = build_tiny_drafter(target_cfg, seed=9, num_layers=2, taps=[1, 3])
+    g = torch.Generator().manual_seed(4)
+    taps = torch.randn(2, 5, 128, generator=g)
+    slots = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 16, 16]])  # row 1: two padding entries (dead slot 16)
+    caches = []
+    for fused in (False, True):
+        cache = drafter.new_cache(2, 16)
+        cache.add_rows(2)
+        drafter.write_context(cache, slice(0, 2), taps, slots, fused=fused)
+        caches.append(cache)
+    torch.testing.assert_close(caches[0].k[:, :, :, :5], caches[1].k[:, :, :, :5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0].v[:, :, :, :5], caches[1].v[:, :, :, :5], atol=1e-5, rtol=1e-5)
+    assert caches[1].k[:, 0, :, 4].abs().sum() > 0

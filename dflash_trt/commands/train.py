@@ -1,0 +1,157 @@
+"""`dflash-trt train`: fit a DFlash drafter to a target (the paper's recipe, offline data).
+
+Prompts come from offline sources only (train/data.py): instructions made from the Python
+standard library and, with --self-prompts, prompts the target writes itself from its chat
+template's user header; every prompt overlapping HumanEval or MT-Bench is dropped. The target
+regenerates the responses (greedy), then the drafter is trained on random anchored blocks.
+Checkpoints go to --work-dir (default OUTPUT.work); --resume continues from the latest one;
+Ctrl-C saves a checkpoint and exits. The result in --output is a standard DFlash drafter
+directory plus training_config.yaml.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from dflash_trt.errors import ConfigError, InputError
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a DFlash drafter for a target", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=None, help="target HF directory (default: embedded SmolLM2-135M)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where the embedded default is converted")
+    p.add_argument("--output", type=Path, required=True, help="directory for the trained drafter")
+    p.add_argument("--work-dir", type=Path, default=None, help="checkpoints and data cache (default: OUTPUT.work)")
+    p.add_argument("--data-dir", type=Path, default=None, help="regenerated-data cache (default: WORK_DIR/data)")
+    p.add_argument("--drafter-init", type=Path, default=None, help="start from this drafter (its architecture wins)")
+    a = p.add_argument_group("drafter")
+    a.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    a.add_argument("--taps", default=None, help="target layer ids to tap, e.g. 1,14,27 (default: 3 evenly spaced)")
+    a.add_argument("--block-size", type=int, default=16)
+    a.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    a.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
+    a.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    o = p.add_argument_group("optimization")
+    o.add_argument("--steps", type=int, default=1000)
+    o.add_argument("--lr", type=float, default=6e-4)
+    o.add_argument("--warmup-ratio", type=float, default=0.04)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--grad-clip", type=float, default=1.0)
+    o.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 @16, 5 @10, 4 @8)")
+    o.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    o.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work-dir")
+    d = p.add_argument_group("data")
+    d.add_argument("--num-prompts", type=int, default=1000, help="standard-library prompts to use")
+    d.add_argument("--self-prompts", type=int, default=0, help="prompts the target writes itself (slow: batch 1)")
+    d.add_argument("--max-prompt-tokens", type=int, default=384, help="drop longer prompts")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="regenerated response length cap")
+    d.add_argument("--regen-batch-size", type=int, default=32)
+    d.add_argument("--max-seq-len", type=int, default=1024)
+    d.add_argument("--eval-prompts", type=int, default=4, help="held-out training-distribution prompts for tau")
+    m = p.add_argument_group("monitoring")
+    m.add_argument("--eval-every", type=int, default=200, help="steps between eval tau (0: off)")
+    m.add_argument("--eval-tokens", type=int, default=64)
+    m.add_argument("--save-every", type=int, default=200)
+    m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    m.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def parse_taps(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        taps = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--taps must be comma-separated layer ids, got '{text}'") from exc
+    if not taps:
+        raise ConfigError("--taps is empty")
+    return taps
+
+
+def training_prompts(tokenizer, recipe, target=None, max_prompt_tokens: int = 384):
+    """(prompt token ids, PromptSet) after the eval-overlap filter; long prompts dropped."""
+    from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
+    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.train.data import build_training_prompts
+
+    generate_fn = engine_generate_fn(target) if recipe.self_prompt_count else None
+    prompt_set = build_training_prompts(recipe, load_humaneval() + load_mtbench(), humaneval_entry_points(),
+                                        generate_fn=generate_fn, tokenizer=tokenizer)
+    ids = [chat_prompt_ids(tokenizer, p.text) for p in prompt_set.prompts]
+    kept = [x for x in ids if len(x) <= max_prompt_tokens]
+    if len(kept) < len(ids):
+        log.info("dropped %d prompts longer than %d tokens", len(ids) - len(kept), max_prompt_tokens)
+    return kept, prompt_set
+
+
+def engine_generate_fn(target, max_new_tokens: int = 96):
+    """A train/data.py GenerateFn on our engine: seeded sampling (T=1, top-p 0.95), batch 1."""
+    from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
+    from dflash_trt.spec.sampling import SamplingParams
+
+    engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=512))
+
+    def generate(prefix: list[int], seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_new_tokens=max_new_tokens)
+        return engine.generate([prefix], params)[0].tokens
+
+    return generate
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.train.data import DataRecipe
+    from dflash_trt.train.trainer import TrainConfig, Trainer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target_dir = args.target
+    if target_dir is None:
+        from dflash_trt.commands.common import cache_dir
+        from dflash_trt.models.default import ensure_default_target
+
+        target_dir = ensure_default_target(cache_dir(args))
+    tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise InputError(f"{target_dir} has no tokenizer with a chat template; training prompts need one")
+    work = args.work_dir or args.output.with_name(args.output.name + ".work")
+    config = TrainConfig(
+        target=Path(target_dir), output=args.output, work_dir=work, data_dir=args.data_dir,
+        drafter_init=args.drafter_init, num_layers=args.layers, tap_layers=parse_taps(args.taps),
+        block_size=args.block_size, intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
+        steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, gamma=args.gamma, batch_size=args.batch_size, anchors_per_seq=args.anchors,
+        max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, max_seq_len=args.max_seq_len,
+        eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
+        save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress)
+    recipe = DataRecipe(seed=args.seed, stdlib_limit=args.num_prompts, self_prompt_count=args.self_prompts)
+    target = None
+    if args.self_prompts:
+        from dflash_trt.models.target import load_native_target
+
+        target = load_native_target(Path(target_dir))
+    ids, prompt_set = training_prompts(tokenizer, recipe, target, args.max_prompt_tokens)
+    if len(ids) <= args.eval_prompts:
+        raise ConfigError(f"only {len(ids)} usable prompts; raise --num-prompts or --max-prompt-tokens")
+    held_out, train_ids = ids[: args.eval_prompts], ids[args.eval_prompts:]
+    recipe_doc = {"recipe": prompt_set.recipe.to_dict(), "counts": prompt_set.counts,
+                  "exclusion": {k: v for k, v in prompt_set.exclusion.to_dict().items() if k != "dropped_ids"},
+                  "max_prompt_tokens": args.max_prompt_tokens, "train_prompts": len(train_ids),
+                  "eval_prompts_held_out": len(held_out)}
+    trainer = Trainer(config, train_ids, held_out, recipe_doc)
+    trainer.run()
+    evals = trainer.state.evals
+    print(f"trained {trainer.state.step} steps in {trainer.state.wall_s:.0f} s; "
+          f"eval tau {evals[-1][1]:.2f}" if evals else f"trained {trainer.state.step} steps", file=sys.stderr)
+    print(str(config.output))
+    return 0

@@ -1,0 +1,335 @@
+"""`dflash-trt train`: fit a DFlash drafter to a target (paper recipe; FACTS.md "Training").
+
+The run, as numbered in `Trainer.run`:
+  1. data: the target regenerates greedy responses to the prompts on our batched engine, taps
+     recorded on the way (regen.py; cached in shards under `data_dir`);
+  2. drafter: fresh (Qwen3-style layers at the target's width) or `drafter_init`; the target,
+     its embedding and lm_head stay frozen and are not part of the drafter checkpoint;
+  3. steps: random anchors in the responses -> block-sparse forward -> position-weighted CE
+     (features.py, loss.py); AdamW, cosine LR with warmup, grad-norm clip;
+  4. a progress bar with loss, the in-batch acceptance length and a periodic eval tau (the real
+     engine, greedy, on held-out prompts); checkpoints every `save_every` steps, written
+     atomically (a new step directory, then the `latest.json` pointer), with model, optimizer,
+     scheduler, step, RNG states and the data recipe; `resume` continues from the latest one;
+     Ctrl-C saves when the state is consistent and never damages the last good checkpoint;
+  5. output: the standard DFlash drafter directory (DFlashDrafter.save_pretrained) plus
+     training_config.yaml.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from dflash_trt.config import (DRAFTER_ARCHITECTURE, DrafterConfig, check_drafter_matches_target,
+                               default_target_layer_ids)
+from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.models.drafter import DTYPES, DFlashDrafter
+from dflash_trt.models.target import load_hf_config, load_native_target
+from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
+from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.train.features import make_batch
+from dflash_trt.train.loss import block_loss, cosine_schedule, default_gamma
+from dflash_trt.train.regen import Sample, data_key, regenerate
+from dflash_trt.train.state import load_checkpoint, read_latest, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+# settings a resumed run must share with the run that wrote the checkpoint
+RESUME_FIELDS = ("target", "drafter_init", "num_layers", "tap_layers", "block_size", "intermediate_size",
+                 "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: Path
+    output: Path
+    work_dir: Path  # checkpoints/ and (by default) data/
+    data_dir: Path | None = None  # regeneration cache (default work_dir/data); may be shared by runs
+    drafter_init: Path | None = None  # start from this drafter (its architecture wins)
+    num_layers: int = 1
+    tap_layers: tuple[int, ...] | None = None  # None: 3 taps evenly spaced from layer 1 to N-3
+    block_size: int = 16
+    intermediate_size: int | None = None  # None: the target's
+    mask_token_id: int | None = None  # None: vocab_size - 1
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: the paper's value for the block size
+    batch_size: int = 4  # sequences per step
+    anchors_per_seq: int = 16
+    max_new_tokens: int = 256  # regenerated response length cap
+    regen_batch_size: int = 32
+    max_seq_len: int = 1024
+    eval_every: int = 200  # 0 = no periodic eval
+    eval_tokens: int = 64
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    save_dtype: str = "float32"  # dtype of the output drafter tensors
+    seed: int = 0
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        positive = {"num_layers": self.num_layers, "block_size": self.block_size, "steps": self.steps,
+                    "batch_size": self.batch_size, "anchors_per_seq": self.anchors_per_seq,
+                    "max_new_tokens": self.max_new_tokens, "regen_batch_size": self.regen_batch_size,
+                    "save_every": self.save_every, "eval_tokens": self.eval_tokens,
+                    "keep_checkpoints": self.keep_checkpoints}
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not 2 <= self.block_size <= 64:
+            raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
+        if not self.lr > 0 or not 0 <= self.warmup_ratio < 1 or self.grad_clip <= 0 or self.weight_decay < 0:
+            raise ConfigError("need lr > 0, 0 <= warmup_ratio < 1, grad_clip > 0 and weight_decay >= 0")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.save_dtype not in DTYPES:
+            raise ConfigError(f"save_dtype must be one of {sorted(DTYPES)}, got '{self.save_dtype}'")
+
+    @property
+    def data_root(self) -> Path:
+        return self.data_dir if self.data_dir is not None else self.work_dir / "data"
+
+    def to_dict(self) -> dict:
+        return {f.name: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every step
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval tau)
+    wall_s: float = 0.0  # training time so far, all sessions
+
+
+def drafter_config_dict(target_config, tap_layers: tuple[int, ...], num_layers: int, block_size: int,
+                        intermediate_size: int, mask_token_id: int, dtype: str) -> dict:
+    """A DFlash drafter config.json at the target's width, heads and RoPE."""
+    heads, kv = target_config.num_attention_heads, target_config.num_key_value_heads
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    return {
+        "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3", "block_size": block_size,
+        "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(tap_layers)},
+        "hidden_size": target_config.hidden_size, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": head_dim, "rms_norm_eps": target_config.rms_norm_eps,
+        "vocab_size": target_config.vocab_size, "max_position_embeddings": target_config.max_position_embeddings,
+        "attention_bias": False, "rope_theta": float(target_config.rope_parameters["rope_theta"]),
+        "tie_word_embeddings": False, "torch_dtype": dtype,
+    }
+
+
+def new_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
+    """Random init: linear weights N(0, 0.02) (the Qwen3 initializer range), norms 1."""
+    gen = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:
+                p.fill_(1.0)
+    return model
+
+
+@torch.no_grad()
+def evaluate_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Mean acceptance length (committed tokens per verify step) of greedy DFlash on `prompts`."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    engine = DFlashEngine(target, drafter, EngineConfig(max_batch_size=len(prompts), max_seq_len=longest))
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    steps = [st for r in results for st in r.steps]
+    return sum(st.accepted + 1 for st in steps) / max(len(steps), 1)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, prompts: list[list[int]], eval_prompts: list[list[int]],
+                 data_recipe: dict | None = None) -> None:
+        if not prompts:
+            raise ConfigError("no training prompts")
+        self.config, self.prompts, self.eval_prompts = config, prompts, eval_prompts
+        self.data_recipe = json.loads(json.dumps(data_recipe or {}))  # plain lists/dicts (YAML, torch.load)
+        self.ckpt_root = config.work_dir / "checkpoints"
+        self.target = load_native_target(config.target, torch.float32)
+        self.target.requires_grad_(False)
+        self.drafter_cfg = self._drafter_config()
+        check_drafter_matches_target(self.drafter_cfg, self.target.info)
+        self.state = TrainState()
+        self.samples: list[Sample] = []
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _drafter_config(self) -> DrafterConfig:
+        c, tcfg = self.config, load_hf_config(self.config.target)
+        if c.drafter_init is not None:
+            log.info("architecture from --drafter-init %s (layer/tap/block flags are not used)", c.drafter_init)
+            return DrafterConfig.load(c.drafter_init)
+        taps = c.tap_layers or tuple(default_target_layer_ids(tcfg.num_hidden_layers, 3))
+        mask = c.mask_token_id if c.mask_token_id is not None else tcfg.vocab_size - 1
+        raw = drafter_config_dict(tcfg, taps, c.num_layers, c.block_size,
+                                  c.intermediate_size or tcfg.intermediate_size, mask, c.save_dtype)
+        return DrafterConfig.from_dict(raw, where="training drafter config")
+
+    def prepare_data(self) -> list[Sample]:
+        c, taps = self.config, self.drafter_cfg.target_layer_ids
+        key = data_key(c.target, c.max_new_tokens, taps)
+        samples = regenerate(self.target, self.prompts, taps, c.data_root / f"regen-{key[:16]}", key=key,
+                             max_new_tokens=c.max_new_tokens, batch_size=c.regen_batch_size,
+                             max_seq_len=c.max_seq_len, progress=c.progress)
+        usable = [s for s in samples if s.response_len >= 2]
+        if not usable:
+            raise ConfigError("no regenerated response has 2 or more tokens: raise max_new_tokens")
+        self.samples = usable
+        return usable
+
+    def _build(self):
+        c = self.config
+        if c.drafter_init is not None:
+            drafter = DFlashDrafter.from_pretrained(c.drafter_init, torch.float32).train()
+        else:
+            drafter = new_drafter(self.drafter_cfg, c.seed).train()
+        opt = torch.optim.AdamW(drafter.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
+        warmup = max(1, round(c.warmup_ratio * c.steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, c.steps, warmup))
+        gen = torch.Generator().manual_seed(c.seed)
+        return drafter, opt, sched, gen
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def latest_checkpoint(self) -> Path | None:
+        return read_latest(self.ckpt_root)
+
+    def save_checkpoint(self, drafter, opt, sched, gen) -> Path:
+        return save_checkpoint(self.ckpt_root, self.state.step, drafter, {
+            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "generator": gen.get_state(),
+            "torch_rng": torch.get_rng_state(), "state": asdict(self.state), "config": self.config.to_dict(),
+            "data_recipe": self.data_recipe}, self.config.keep_checkpoints)
+
+    def _restore(self, drafter, opt, sched, gen) -> None:
+        path = self.latest_checkpoint()
+        if path is None:
+            raise CheckpointError(f"--resume: no checkpoint in {self.ckpt_root}; start without --resume")
+        weights, extra = load_checkpoint(path)
+        saved = extra["config"]
+        now = self.config.to_dict()
+        diff = [k for k in RESUME_FIELDS if saved[k] != now[k]]
+        if diff:
+            raise ConfigError(f"--resume: the checkpoint in {path} was made with different {diff}: "
+                              "use the same settings or a fresh --work-dir")
+        drafter.load_state_dict(weights, strict=True)
+        opt.load_state_dict(extra["optimizer"])
+        sched.load_state_dict(extra["scheduler"])
+        gen.set_state(extra["generator"])
+        torch.set_rng_state(extra["torch_rng"])
+        s = extra["state"]
+        self.state = TrainState(step=s["step"], losses=[tuple(x) for x in s["losses"]],
+                                evals=[tuple(x) for x in s["evals"]], wall_s=s["wall_s"])
+
+    # ---- the run -------------------------------------------------------------------------------
+    def run(self, on_step: Callable[[int, float], None] | None = None) -> DFlashDrafter:
+        """Train to `steps` and write the output; returns the trained drafter (float32).
+
+        on_step(step, loss) is called after every completed step (progress hooks, tests)."""
+        c = self.config
+        # 1. data
+        if not self.samples:
+            self.prepare_data()
+        # 2. drafter, optimizer, schedule (restored on resume)
+        drafter, opt, sched, gen = self._build()
+        if c.resume:
+            self._restore(drafter, opt, sched, gen)
+        elif self.latest_checkpoint() is not None:
+            raise ConfigError(f"{self.ckpt_root} already holds checkpoints: pass --resume to continue, "
+                              "or use a fresh --work-dir")
+        gamma = c.gamma or default_gamma(self.drafter_cfg.block_size)
+        bar = tqdm(total=c.steps, initial=self.state.step, desc="train", unit="step", disable=not c.progress,
+                   mininterval=1.0)
+        consistent, start = True, time.perf_counter()
+        eval_tau = self.state.evals[-1][1] if self.state.evals else None
+        try:
+            if c.eval_every and self.eval_prompts and self.state.step == 0:
+                eval_tau = self._eval(drafter)
+            # 3. steps
+            while self.state.step < c.steps:
+                idx = torch.randint(len(self.samples), (c.batch_size,), generator=gen).tolist()
+                batch = make_batch([self.samples[i] for i in idx], c.anchors_per_seq,
+                                   self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id, gen)
+                out = block_loss(drafter, self.target, batch, gamma)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), c.grad_clip)
+                consistent = False
+                opt.step()
+                sched.step()
+                self.state.step += 1
+                self.state.losses.append((self.state.step, float(out.loss.detach())))
+                consistent = True
+                # 4. progress, eval, checkpoints
+                step = self.state.step
+                if c.eval_every and self.eval_prompts and (step % c.eval_every == 0 or step == c.steps):
+                    eval_tau = self._eval(drafter)
+                post = {"loss": f"{float(out.loss.detach()):.3f}", "acc_len": f"{out.accept_len:.2f}",
+                        "lr": f"{sched.get_last_lr()[0]:.1e}"}
+                if eval_tau is not None:
+                    post["tau"] = f"{eval_tau:.2f}"
+                bar.set_postfix(post)
+                bar.update(1)
+                if step % c.save_every == 0 or step == c.steps:
+                    self.state.wall_s += time.perf_counter() - start
+                    start = time.perf_counter()
+                    self.save_checkpoint(drafter, opt, sched, gen)
+                if on_step is not None:
+                    on_step(step, float(out.loss.detach()))
+        except KeyboardInterrupt:
+            bar.close()
+            if consistent and self.state.step > 0:
+                self.state.wall_s += time.perf_counter() - start
+                path = self.save_checkpoint(drafter, opt, sched, gen)
+                log.warning("interrupted at step %d; saved %s (continue with --resume)", self.state.step, path)
+            raise
+        bar.close()
+        # 5. output
+        self.write_output(drafter)
+        return drafter
+
+    def _eval(self, drafter: DFlashDrafter) -> float:
+        drafter.eval()
+        tau = evaluate_tau(self.target, drafter, self.eval_prompts, self.config.eval_tokens)
+        drafter.train()
+        self.state.evals.append((self.state.step, tau))
+        return tau
+
+    def write_output(self, drafter: DFlashDrafter) -> Path:
+        import yaml
+
+        c = self.config
+        drafter.save_pretrained(c.output, dtype=DTYPES[c.save_dtype])
+        tokens = sum(s.tokens.shape[0] for s in self.samples)
+        doc = {
+            "train_config": c.to_dict(),
+            "drafter": {"num_layers": self.drafter_cfg.num_hidden_layers, "block_size": self.drafter_cfg.block_size,
+                        "target_layer_ids": list(self.drafter_cfg.target_layer_ids),
+                        "mask_token_id": self.drafter_cfg.mask_token_id,
+                        "gamma": c.gamma or default_gamma(self.drafter_cfg.block_size)},
+            "data": {"recipe": self.data_recipe, "sequences": len(self.samples), "tokens": tokens,
+                     "response_tokens": sum(s.response_len for s in self.samples)},
+            "results": {"steps": self.state.step, "wall_s": round(self.state.wall_s, 1),
+                        "final_loss": self.state.losses[-1][1] if self.state.losses else None,
+                        "eval_tau": [[s, round(t, 3)] for s, t in self.state.evals]},
+        }
+        tmp = c.output / ".training_config.yaml.tmp"
+        tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+        tmp.replace(c.output / "training_config.yaml")
+        return c.output
+
+
