@@ -110,6 +110,11 @@ class Scheduler:
             return len(self._running)
 
     # ---- the loop (one thread) --------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """True while the scheduling thread runs (False before start, after shutdown or a crash)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> "Scheduler":
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)

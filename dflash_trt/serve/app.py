@@ -238,6 +238,8 @@ class _Api:
     async def health(self, request: Request) -> JSONResponse:
         if not self.state.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        if not self.state.scheduler.alive:
+            return JSONResponse({"status": "decode loop not running"}, status_code=503)
         return JSONResponse({"status": "ok", "running": self.state.scheduler.num_running,
                              "waiting": self.state.scheduler.queue_depth})
 

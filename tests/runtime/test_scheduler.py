@@ -202,9 +202,13 @@ def test_token_budget_limits_admissions_per_step(models):
 
 def test_shutdown_fails_pending_requests(models):
     engine = _engine(models, 1)
-    sched = Scheduler(engine).start()
+    sched = Scheduler(engine)
+    assert not sched.alive
+    sched.start()
+    assert sched.alive
     handles = [sched.submit(_prompt(i, 5), _params(i, 50)) for i in range(4)]
     sched.shutdown(timeout=WAIT_S)
+    assert not sched.alive
     finals = [_drain(h, timeout=WAIT_S)[1] for h in handles]  # every request ends: no hang
     assert all(isinstance(e, (FinalEvent, ErrorEvent)) for e in finals)
     assert sum(isinstance(e, ErrorEvent) for e in finals) >= 3, finals
