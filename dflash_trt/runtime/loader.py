@@ -64,11 +64,22 @@ def load_models(spec: ModelSpec) -> LoadedModels:
     if not Path(spec.target).is_dir():
         raise CheckpointError(f"target directory {spec.target} does not exist")
     dtype: torch.dtype = DTYPES[spec.dtype]
-    target = load_target(Path(spec.target), spec.target_backend, dtype)
+    from dflash_trt.checkpoint import modelopt_hf
+
+    if modelopt_hf.is_modelopt_dir(Path(spec.target)):
+        if spec.target_backend != "native":
+            raise ConfigError("quantized (ModelOpt) targets load on the native backend only: drop --target-backend hf")
+        log.info("target %s is a ModelOpt-quantized checkpoint (emulated on the torch backend)", spec.target)
+        target = modelopt_hf.load_target(Path(spec.target), dtype)
+    else:
+        target = load_target(Path(spec.target), spec.target_backend, dtype)
     drafter = None
     if spec.drafter is not None:
         if not Path(spec.drafter).is_dir():
             raise CheckpointError(f"drafter directory {spec.drafter} does not exist")
-        drafter = DFlashDrafter.from_pretrained(Path(spec.drafter), dtype)
+        if modelopt_hf.is_modelopt_dir(Path(spec.drafter)):
+            drafter = modelopt_hf.load_drafter(Path(spec.drafter), dtype)
+        else:
+            drafter = DFlashDrafter.from_pretrained(Path(spec.drafter), dtype)
         check_drafter_matches_target(drafter.cfg, target.info)
     return LoadedModels(spec=spec, target=target, drafter=drafter, tokenizer=load_tokenizer(Path(spec.target)))

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import yaml
@@ -118,6 +119,39 @@ def test_built_directory_generates_losslessly(built):
     assert _greedy(target, drafter, prompt, spec=True) == _greedy(target, drafter, prompt, spec=False)
     merged = load_merged(out / "shards" / "target", torch.float32)  # TP2 x EP2 shards merged back
     assert len(_greedy(merged, drafter, prompt, spec=True)) == 12
+    # `dflash-trt serve` on the built directory answers with the quantized target's greedy tokens
+    # (one rank: the torch backend serves quantized checkpoints unsharded, so the TP keys go)
+    opts = yaml.safe_load((out / "llm_api_options.yaml").read_text())
+    for key in ("tensor_parallel_size", "moe_expert_parallel_size", "moe_tensor_parallel_size"):
+        opts.pop(key, None)
+    one_rank = out.parent / "one_rank_options.yaml"
+    one_rank.write_text(yaml.safe_dump(opts))
+    port = _free_port()
+    server = subprocess.Popen([*DFLASH, "serve", str(out / "target"), "--config", str(one_rank),
+                               "--port", str(port), "--log-level", "warning"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_healthy(server, port)
+        body = {"model": str(out / "target"), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["token_ids"] == _greedy(target, drafter, prompt, spec=False), reply
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.poll() is None, server.communicate()[1].decode()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.5)
 
 
 def _free_port() -> int:
@@ -153,18 +187,7 @@ def test_cpu_default_build_is_served(tmp_path):
                                "--port", str(port), "--log-level", "warning"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.communicate()[1].decode()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.5)
+        _wait_healthy(server, port)
         prompt = "The capital of France is"
         body = {"model": str(out / "target"), "prompt": prompt, "max_tokens": 8, "temperature": 0}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
