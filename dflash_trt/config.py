@@ -14,9 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from dflash_trt.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -223,3 +228,35 @@ def check_drafter_matches_target(drafter: DrafterConfig, target: TargetInfo) -> 
         raise ConfigError(
             f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {target.vocab_size})"
         )
+
+
+def load_yaml_file(path: Path, what: str) -> Any:
+    """The parsed content of a YAML file (any YAML value; callers check its shape).
+
+    `what` names the file in the error (e.g. "build config", "--config file"): a missing file is a
+    ConfigError "<what> <path> does not exist", a malformed one "<path> is not valid YAML: ...".
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+
+
+def describe_validation_error(exc: ValidationError, where: str, *, heading: str = "",
+                              unknown_key_hint: str = "remove it or fix its spelling") -> str:
+    """One line for a pydantic ValidationError: "<where>: <heading><problem>; <problem>...".
+
+    Each problem names its dotted key ("<top level>" for the root); an unknown key (pydantic's
+    extra_forbidden) reads "unknown key '<key>' (<unknown_key_hint>)", any other "<key>: <msg>".
+    """
+    parts = []
+    for err in exc.errors(include_url=False):
+        key = ".".join(str(p) for p in err["loc"]) or "<top level>"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown key '{key}' ({unknown_key_hint})")
+        else:
+            parts.append(f"{key}: {err['msg']}")
+    return f"{where}: {heading}" + "; ".join(parts)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,9 +165,9 @@ def _run_cached_stages(plan: BuildPlan, cache: _Cache, keys: dict, options: Buil
 
 def _assemble(plan: BuildPlan, dirs: dict[str, Path], results: list[StageResult], fps: dict,
               options: BuildOptions) -> list[StageResult]:
-    out = plan.out
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    from dflash_trt.checkpoint.hf import atomic_directory  # here: hf imports torch, a dry run does not need it
+
+    with atomic_directory(plan.out) as tmp:
         for name, src in dirs.items():
             dest = tmp / plan.stage(name).output
             dest.mkdir(parents=True)
@@ -189,16 +188,6 @@ def _assemble(plan: BuildPlan, dirs: dict[str, Path], results: list[StageResult]
         write_manifest(tmp, manifest)
         results.append(StageResult("manifest", "run", 0.0, dir_bytes(tmp / "manifest.json")))
         tmp.chmod(0o755)
-        if out.exists():
-            old = out.parent / f".{out.name}.tmp-old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return results
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash_trt.config import describe_validation_error, load_yaml_file
 from dflash_trt.errors import ConfigError
 
 GPU_ARCHS: dict[str, tuple[str, frozenset[str]]] = {
@@ -193,17 +193,6 @@ def check_static(cfg: BuildConfig) -> None:
     _backend_rules(cfg)
 
 
-def _format_validation(exc: ValidationError, where: str) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{loc}' (remove it or fix its spelling)")
-        else:
-            lines.append(f"{loc}: {err['msg']}")
-    return f"{where}: invalid build config: " + "; ".join(lines)
-
-
 def parse_build_config(raw: object, where: str = "build config") -> BuildConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
@@ -213,18 +202,11 @@ def parse_build_config(raw: object, where: str = "build config") -> BuildConfig:
         cause = exc.errors()[0].get("ctx", {}).get("error") if exc.errors() else None
         if isinstance(cause, ConfigError):
             raise ConfigError(f"{where}: {cause}") from None
-        raise ConfigError(_format_validation(exc, where)) from None
+        raise ConfigError(describe_validation_error(exc, where, heading="invalid build config: ")) from None
 
 
 def load_build_config(path: Path) -> BuildConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"build config {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-    return parse_build_config(raw, where=str(path))
+    return parse_build_config(load_yaml_file(path, "build config"), where=str(Path(path)))
 
 
 def config_to_dict(cfg: BuildConfig) -> dict:

@@ -60,7 +60,9 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield a temporary directory next to `final`; on success it replaces `final` atomically.
+    """Yield a temporary directory `.<name>.tmp-*` next to `final`; on success it replaces `final`
+    atomically (an existing `final` is renamed aside to `.<name>.tmp-old-<pid>`, so sweeps of
+    `.<name>.tmp-*` leftovers catch it too, and removed once the new one is in place).
     On any exception the temporary directory is removed and `final` is left untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         if final.exists():
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
+            old = final.parent / f".{final.name}.tmp-old-{os.getpid()}"
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dflash_trt.config import DrafterConfig
+from dflash_trt.config import DrafterConfig, describe_validation_error, load_yaml_file
 from dflash_trt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -144,17 +143,6 @@ class ServeOverrides:
     ignored: tuple[str, ...] = ()  # keys parsed that have no effect on the torch backend
 
 
-def _describe(exc: ValidationError, where: str) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
-        key = ".".join(str(x) for x in err["loc"]) or "<top level>"
-        if err["type"] == "extra_forbidden":
-            parts.append(f"unknown key '{key}' (not a trtllm-serve --config key this server supports)")
-        else:
-            parts.append(f"'{key}': {err['msg']}")
-    return f"{where}: " + "; ".join(parts)
-
-
 def parse_llm_api_config(raw: Any, where: str = "--config") -> LlmApiConfig:
     if raw is None:
         raw = {}
@@ -163,18 +151,12 @@ def parse_llm_api_config(raw: Any, where: str = "--config") -> LlmApiConfig:
     try:
         return LlmApiConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, where)) from exc
+        raise ConfigError(describe_validation_error(
+            exc, where, unknown_key_hint="not a trtllm-serve --config key this server supports")) from exc
 
 
 def load_llm_api_config(path: Path) -> LlmApiConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-    return parse_llm_api_config(raw, where=str(path))
+    return parse_llm_api_config(load_yaml_file(path, "--config file"), where=str(Path(path)))
 
 
 def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:

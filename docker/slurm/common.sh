@@ -29,7 +29,8 @@ dflash_check_ranks() {
   fi
 }
 
-# dflash_wait_healthy URL TIMEOUT_S PID: poll URL until it answers 200, the server exits, or time runs out.
+# dflash_wait_healthy URL TIMEOUT_S PID: poll URL until it answers 200, the server exits, or time runs out;
+# on failure the server PID is killed (if still running) and the function returns 1.
 dflash_wait_healthy() {
   local url="$1" timeout="$2" pid="$3" waited=0
   until curl -sf -o /dev/null "${url}"; do
@@ -39,6 +40,7 @@ dflash_wait_healthy() {
     fi
     if (( waited >= timeout )); then
       echo "error: ${url} not healthy after ${timeout} s" >&2
+      kill "${pid}" 2>/dev/null || true
       return 1
     fi
     sleep 5

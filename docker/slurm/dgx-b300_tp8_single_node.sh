@@ -25,8 +25,5 @@ srun --mpi=pmix \
     --tp_size "${DFLASH_TP}" --pp_size "${DFLASH_PP}" --ep_size "${DFLASH_EP}" &
 server_pid=$!
 
-dflash_wait_healthy "http://127.0.0.1:${DFLASH_PORT}/health" "${DFLASH_HEALTH_TIMEOUT}" "${server_pid}" || {
-  kill "${server_pid}" 2>/dev/null || true
-  exit 1
-}
+dflash_wait_healthy "http://127.0.0.1:${DFLASH_PORT}/health" "${DFLASH_HEALTH_TIMEOUT}" "${server_pid}" || exit 1
 wait "${server_pid}"

@@ -29,8 +29,5 @@ srun --ntasks=1 \
     --http-port="${http_port}" --grpc-port=$((http_port + 1)) --metrics-port=$((http_port + 2)) &
 server_pid=$!
 
-dflash_wait_healthy "http://127.0.0.1:${http_port}/v2/health/ready" "${DFLASH_HEALTH_TIMEOUT}" "${server_pid}" || {
-  kill "${server_pid}" 2>/dev/null || true
-  exit 1
-}
+dflash_wait_healthy "http://127.0.0.1:${http_port}/v2/health/ready" "${DFLASH_HEALTH_TIMEOUT}" "${server_pid}" || exit 1
 wait "${server_pid}"

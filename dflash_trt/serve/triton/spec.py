@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dflash_trt.config import describe_validation_error, load_yaml_file
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.loader import ModelSpec
 from dflash_trt.runtime.scheduler import SchedulerConfig
@@ -109,16 +110,8 @@ class TritonModelSpec(_Strict):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"{where}: {problems}") from exc
+            raise ConfigError(describe_validation_error(exc, where)) from exc
 
     @classmethod
     def load(cls, path: Path) -> "TritonModelSpec":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"model spec {path} does not exist")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(load_yaml_file(path, "model spec"), str(Path(path)))
