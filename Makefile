@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/dflash-trt demo --tiny
+	$(VENV)/bin/dflash-trt demo
 
 test: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

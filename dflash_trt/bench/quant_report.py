@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     "calib_prompts": len(calib), "unquantized_ppl": base_ppl, "algos": {}}
     tcal = calibrate_target(target, calib)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.algos.split(","):
+        for name in [a for a in args.algos.split(",") if a.strip()]:  # --algos "" = drafter only
             algo = name.strip().upper()
             qt = modelopt_hf.load_target(modelopt_hf.write_target(target, Path(tmp) / algo, algo, tcal))
             outs = greedy(qt, None, prompts, args.max_new_tokens)

@@ -173,3 +173,24 @@ def test_real_conversion_from_scratch(tmp_path):
     assert is_complete_target_dir(path)
     marker = json.loads((path / COMPLETE_MARKER).read_text())
     assert marker["source"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_shipped_drafter_serves_the_default_target_losslessly(converted):
+    """The committed drafter (dflash_trt/assets) is a standard DFlash checkpoint for this target,
+    under the size budget, and DFlash greedy output on a chat prompt equals plain decoding."""
+    from dflash_trt.commands.common import SHIPPED_DRAFTER
+    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.runtime.loader import ModelSpec, load_models
+    from dflash_trt.spec.decoder import EngineConfig
+    from dflash_trt.spec.sampling import SamplingParams
+
+    assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size < 25e6
+    assert (SHIPPED_DRAFTER / "MODEL_CARD.md").is_file() and (SHIPPED_DRAFTER / "training_config.yaml").is_file()
+    _, path = converted
+    models = load_models(ModelSpec(target=path, drafter=SHIPPED_DRAFTER))  # checks drafter vs target
+    ids = chat_prompt_ids(models.tokenizer, "Write a Python function that reverses a list.")
+    params = SamplingParams(max_new_tokens=24)
+    spec = models.engine(EngineConfig(max_seq_len=512, max_batch_size=1)).generate([ids], params)[0]
+    plain = models.engine(EngineConfig(max_seq_len=512, max_batch_size=1, spec=False)).generate([ids], params)[0]
+    assert spec.tokens == plain.tokens and len(spec.tokens) > 0
+    assert 1.0 <= spec.mean_acceptance_length <= models.drafter.block_size
