@@ -38,10 +38,26 @@ def load_hf_config(directory: Path):
         raise CheckpointError(f"cannot read target config in {directory}: {exc}") from exc
 
 
+def dequantize_mxfp4_experts(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """gpt-oss releases store expert projections as MXFP4 (`*_blocks` + `*_scales`, [E, out, ...]);
+    the HF module layout is [E, in, out]. Replace each pair by the dequantized, transposed tensor."""
+    from dflash_trt.quant.mxfp4 import dequantize_mxfp4
+
+    out = dict(state)
+    for name in [n for n in state if n.endswith("_blocks")]:
+        base = name[: -len("_blocks")]
+        scales = out.pop(base + "_scales", None)
+        if scales is None:
+            raise CheckpointError(f"{name} has no matching {base}_scales tensor")
+        out[base] = dequantize_mxfp4(out.pop(name), scales, dtype).transpose(-1, -2).contiguous()
+    return out
+
+
 def native_from_state_dict(config, state: dict[str, torch.Tensor], dtype: torch.dtype) -> NativeCausalLM:
-    """Build a NativeCausalLM and load HF-named tensors with strict key checking."""
+    """Build a NativeCausalLM and load HF-named tensors with strict key checking (MXFP4 gpt-oss
+    experts are dequantized on the way in)."""
     model = NativeCausalLM(config)
-    state = dict(state)
+    state = dequantize_mxfp4_experts(state, torch.float32) if any(n.endswith("_blocks") for n in state) else dict(state)
     if "lm_head.weight" not in state and config.tie_word_embeddings:
         if "model.embed_tokens.weight" not in state:
             raise CheckpointError("checkpoint has neither lm_head.weight nor model.embed_tokens.weight")

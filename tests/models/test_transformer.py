@@ -124,3 +124,35 @@ def test_bad_token_ids_are_rejected(pair):
     cache.add_rows(1)
     with pytest.raises(InputError, match="token ids"):
         native.forward(cache, slice(0, 1), torch.tensor([[10_000]]), torch.tensor([[0]]))
+
+
+def test_gpt_oss_mxfp4_experts_load_dequantized():
+    """A gpt-oss state dict with experts in the release format (MXFP4 `*_blocks` + `*_scales`,
+    [E, out, G, 16]) loads and gives the logits of the same model holding the dequantized weights."""
+    from dflash_trt.quant.mxfp4 import dequantize_mxfp4
+
+    hf = build_tiny_target("gpt_oss", seed=5)
+    state = dict(hf.state_dict())
+    g = torch.Generator().manual_seed(0)
+    for layer in range(hf.config.num_hidden_layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            e, n_in, n_out = state[name].shape  # HF layout [E, in, out]
+            blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8, generator=g)
+            scales = torch.randint(120, 125, (e, n_out, n_in // 32), dtype=torch.uint8, generator=g)
+            state[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(-1, -2).contiguous()
+            state[name + "_blocks"], state[name + "_scales"] = blocks, scales
+    plain = native_from_state_dict(hf.config, {k: v for k, v in state.items() if not k.endswith(("_blocks", "_scales"))},
+                                   torch.float32)
+    packed = native_from_state_dict(hf.config, {k: v for k, v in state.items()
+                                                if not (k.endswith(("gate_up_proj", "down_proj")))}, torch.float32)
+    ids = torch.randint(5, 250, (1, 10), generator=g)
+    outs = []
+    for model in (plain, packed):
+        cache = model.new_cache(1, 32)
+        cache.add_rows(1)
+        outs.append(model.forward(cache, slice(0, 1), ids, torch.arange(10)[None]).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    with pytest.raises(CheckpointError, match="_scales"):
+        native_from_state_dict(hf.config, {k: v for k, v in state.items() if not k.endswith("down_proj_scales")},
+                               torch.float32)
