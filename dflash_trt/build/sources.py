@@ -15,6 +15,7 @@ from pathlib import Path
 from dflash_trt.build.config import BuildConfig
 from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.models.transformer import head_dim_of
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def target_info(config) -> TargetInfo:
 
 def _real_dims(config) -> dict[str, int | str]:
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # HF configs: optional field
+    head_dim = head_dim_of(config)
     return {
         "architecture": config.model_type, "num_hidden_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size, "num_attention_heads": heads,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.models.transformer import head_dim_of
 
 RANK_FILE = "rank{}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -85,7 +86,7 @@ class Dims:
     @classmethod
     def of(cls, config) -> "Dims":
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = head_dim_of(config)
         experts = config.num_local_experts if hasattr(config, "num_local_experts") else 0
         return cls(heads, config.num_key_value_heads, head_dim, config.intermediate_size, config.vocab_size, experts)
 

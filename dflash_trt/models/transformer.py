@@ -48,6 +48,11 @@ ARCHS: dict[str, ArchSpec] = {
 }
 
 
+def head_dim_of(config) -> int:
+    """A HF config's head_dim (an optional field: hidden_size // num_attention_heads when absent)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def arch_for(config) -> ArchSpec:
     model_type = config.model_type
     if model_type not in ARCHS:
@@ -73,7 +78,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim if getattr(config, "head_dim", None) else config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         bias = bool(config.attention_bias)
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)

@@ -32,6 +32,7 @@ from dflash_trt.config import (DRAFTER_ARCHITECTURE, DrafterConfig, check_drafte
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import load_hf_config, load_native_target
+from dflash_trt.models.transformer import head_dim_of
 from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
 from dflash_trt.spec.sampling import SamplingParams
 from dflash_trt.train.features import make_batch
@@ -117,7 +118,7 @@ def drafter_config_dict(target_config, tap_layers: tuple[int, ...], num_layers: 
                         intermediate_size: int, mask_token_id: int, dtype: str) -> dict:
     """A DFlash drafter config.json at the target's width, heads and RoPE."""
     heads, kv = target_config.num_attention_heads, target_config.num_key_value_heads
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+    head_dim = head_dim_of(target_config)
     return {
         "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3", "block_size": block_size,
         "num_target_layers": target_config.num_hidden_layers,
