@@ -26,14 +26,6 @@ BLOCK = 4
 WAIT_S = 60.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def models():
     hf = build_tiny_target("llama", seed=8, dtype=torch.float64, vocab_size=VOCAB, num_layers=3, hidden_size=32)

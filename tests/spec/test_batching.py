@@ -30,15 +30,6 @@ PROMPT_LENS = (1, 3, 9, 13, 20, 6, 11)  # 9, 13, 20, 11 exceed gpt-oss's sliding
 MAX_NEW = (12, 5, 1, 17, 9, 14, 7)  # rows finish at different steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~30x faster single-threaded on this shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @dataclass
 class Case:
     hf: object
@@ -52,7 +43,7 @@ class Case:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt_oss"])
-def case(request, one_thread) -> Case:
+def case(request) -> Case:
     hf = build_tiny_target(request.param, seed=1, dtype=torch.float64, vocab_size=VOCAB, num_layers=4,
                            hidden_size=32)
     target = native_from_hf(hf)

@@ -18,14 +18,6 @@ from dflash_trt.spec.verify import accept_prefix, accept_rejection
 VOCAB = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _proc(logits, temperature, top_k=0, top_p=1.0):
     """processed_probs for one parameter set over logits [B, T, V]."""
     b = logits.shape[0]

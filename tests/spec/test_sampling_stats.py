@@ -34,14 +34,6 @@ RUNS = 2000
 ALPHA = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- chi-square ------------------------------------------------------------------------------
 def chi2_critical(df: int, alpha: float = ALPHA) -> float:
     """Upper-alpha critical value of chi-square(df): scipy when installed, else the
