@@ -45,6 +45,15 @@ _RUNTIME_NAMES = {"weights_block_scaling_factor": "weights_scaling_factor",
                   "activation_global_scaling_factor": "activation_scaling_factor"}
 
 
+def _linears(g) -> list[tuple[str, str, str]]:
+    """(HF module, TRT-LLM module, parallel kind) of a layer's non-QKV linears (dense MLP only)."""
+    linears = [("self_attn.o_proj", "attention.dense", "row")]
+    if not g.experts:
+        linears += [("mlp.gate_proj", "mlp.fc", "col"), ("mlp.up_proj", "mlp.gate", "col"),
+                    ("mlp.down_proj", "mlp.proj", "row")]
+    return linears
+
+
 @dataclass(frozen=True)
 class Mapping:
     tp_size: int = 1
@@ -169,11 +178,7 @@ def _layer_rank(state: dict, g: Geometry, m: Mapping, i: int, rank: int, dtype) 
             t = torch.cat([parts[0][q_rows], parts[1][kv_rows], parts[2][kv_rows]], dim=0)
             floating = hf_sfx in ("weight", "bias") and t.dtype not in (torch.float8_e4m3fn, torch.uint8)
             out[f"{dst}attention.qkv.{trt_sfx}"] = t.to(dtype) if floating else t
-    linears = [("self_attn.o_proj", "attention.dense", "row")]
-    if not g.experts:
-        linears += [("mlp.gate_proj", "mlp.fc", "col"), ("mlp.up_proj", "mlp.gate", "col"),
-                    ("mlp.down_proj", "mlp.proj", "row")]
-    for hf_mod, trt_mod, kind in linears:
+    for hf_mod, trt_mod, kind in _linears(g):
         for hf_sfx, trt_sfx in _QSUFFIX.items():
             t = state.get(f"{src}{hf_mod}.{hf_sfx}")
             if t is None:
@@ -285,11 +290,7 @@ def _unshard_layer(ranks: list[dict], g: Geometry, m: Mapping, i: int) -> dict[s
         out[f"{dst}self_attn.q_proj.{hf_sfx}"] = torch.cat([p[:qn] for p in parts])
         out[f"{dst}self_attn.k_proj.{hf_sfx}"] = torch.cat([p[qn:qn + kvn] for p in parts[::step]])
         out[f"{dst}self_attn.v_proj.{hf_sfx}"] = torch.cat([p[qn + kvn:] for p in parts[::step]])
-    linears = [("self_attn.o_proj", "attention.dense", "row")]
-    if not g.experts:
-        linears += [("mlp.gate_proj", "mlp.fc", "col"), ("mlp.up_proj", "mlp.gate", "col"),
-                    ("mlp.down_proj", "mlp.proj", "row")]
-    for hf_mod, trt_mod, kind in linears:
+    for hf_mod, trt_mod, kind in _linears(g):
         for hf_sfx, trt_sfx in _QSUFFIX.items():
             if f"{src}{trt_mod}.{trt_sfx}" not in r0:
                 continue
