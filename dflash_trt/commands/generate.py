@@ -56,8 +56,9 @@ def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[
     if tok is None:
         raise InputError("this target has no tokenizer: use --prompt-ids")
     if chat:
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False))
+        from dflash_trt.models.default import chat_prompt_ids
+
+        return chat_prompt_ids(tok, prompt)
     return tok.encode(prompt)
 
 

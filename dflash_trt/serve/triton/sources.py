@@ -50,8 +50,9 @@ Event = Chunk | Done | Failed
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        from dflash_trt.models.default import chat_prompt_ids
+
+        return chat_prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))
 
 
