@@ -55,6 +55,9 @@ class Batch:
     anchor_valid: torch.Tensor  # [B, A] bool (False: padding anchor, no loss)
     block_ids: torch.Tensor  # [B, A, bs] [tok[s], mask, ..., mask]
     targets: torch.Tensor  # [B, A, bs - 1] tok[s + 1 .. s + bs - 1], IGNORE past the end
+    # the target's own distribution at each supervised slot (None when the data has none)
+    teacher_ids: torch.Tensor | None = None  # [B, A, bs - 1, k] int64
+    teacher_logprobs: torch.Tensor | None = None  # [B, A, bs - 1, k] float32 (-inf past the end)
 
     @property
     def block_size(self) -> int:
@@ -87,6 +90,11 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
     anchor_valid = torch.zeros(b, a, dtype=torch.bool)
     block_ids = torch.full((b, a, block_size), mask_token_id, dtype=torch.long)
     targets = torch.full((b, a, block_size - 1), IGNORE, dtype=torch.long)
+    with_teacher = all(s.topk_ids is not None for s in samples)
+    if with_teacher:
+        k = samples[0].topk_ids.shape[1]
+        t_ids = torch.zeros(b, a, block_size - 1, k, dtype=torch.long)
+        t_lp = torch.full((b, a, block_size - 1, k), float("-inf"))
     for i, (s, c) in enumerate(zip(samples, chosen)):
         n = int(c.max())
         ctx[i, :n] = s.taps[:n]
@@ -99,4 +107,10 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
             idx = c + j
             ok = idx < length
             targets[i, : c.shape[0], j - 1][ok] = s.tokens[idx[ok]]
+            if with_teacher:  # token idx was chosen from the distribution at response index idx - prompt_len
+                r = idx[ok] - s.prompt_len
+                t_ids[i, : c.shape[0], j - 1][ok] = s.topk_ids[r].long()
+                t_lp[i, : c.shape[0], j - 1][ok] = s.topk_logprobs[r].float()
+    if with_teacher:
+        return Batch(ctx, ctx_valid, anchors, anchor_valid, block_ids, targets, t_ids, t_lp)
     return Batch(ctx, ctx_valid, anchors, anchor_valid, block_ids, targets)

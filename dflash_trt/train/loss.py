@@ -9,7 +9,12 @@ The forward reuses the drafter's own modules and weights; it replaces only the r
 
 Loss: cross-entropy of the target's (frozen) lm_head on the bs-1 mask slots, slot k weighted by
 w_k = exp(-(k-1)/gamma) (gamma 7 for block 16, 5 for block 10, 4 for block 8), so the early
-slots -- which decide the acceptance length -- dominate.
+slots -- which decide the acceptance length -- dominate. With `kd_weight` > 0 and teacher data
+in the batch, the per-slot loss mixes in knowledge distillation (Hinton et al., 2015; for
+drafters, DistillSpec arXiv 2310.08461): the cross-entropy against the target's own top-k
+probabilities, -sum_k p_k log q_k, with p_k the target's full-vocabulary probabilities of its
+top-k tokens (the small mass outside the top-k is left out). For a one-hot teacher it equals the
+hard-label cross-entropy.
 """
 from __future__ import annotations
 
@@ -106,8 +111,36 @@ class LossOutput:
     tokens: int  # supervised slots
 
 
-def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float) -> LossOutput:
-    """Weighted cross-entropy of one Batch. `target` provides frozen `embed` and `head`."""
+def distill_ce(logq: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """logq: [N, V] student log-probs; teacher_ids, teacher_logprobs: [N, k] -> [N] -sum_k p_k logq[id_k]."""
+    p = teacher_logprobs.exp()  # -inf (no teacher entry) -> 0
+    return -(p * logq.gather(-1, teacher_ids)).sum(-1)
+
+
+@dataclass(frozen=True)
+class TrainVocab:
+    """A vocabulary subset for the training loss (FR-Spec, arXiv 2502.14856, drafts over the most
+    frequent tokens; here only the loss is restricted, to cut the lm_head GEMM and softmax on CPU).
+    Tokens outside it are dropped from the hard-label loss and from the teacher's top-k."""
+
+    ids: torch.Tensor  # [K] int64 token ids, sorted
+    weight: torch.Tensor  # [K, H] the frozen lm_head rows of `ids`
+    index: torch.Tensor  # [V] int64: position of each token in `ids`, -1 outside
+
+    @classmethod
+    def build(cls, head_weight: torch.Tensor, ids: torch.Tensor) -> "TrainVocab":
+        ids = torch.unique(ids.long())
+        index = torch.full((head_weight.shape[0],), -1, dtype=torch.long)
+        index[ids] = torch.arange(ids.numel())
+        return cls(ids, head_weight[ids].detach().contiguous(), index)
+
+
+def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_weight: float = 0.0,
+               vocab: TrainVocab | None = None) -> LossOutput:
+    """Weighted (CE + KD) loss of one Batch. `target` provides frozen `embed` and `head`.
+
+    With `vocab`, logits and log-probs are over that subset only (training speed); metrics then
+    count a slot correct when the subset's argmax is the target token."""
     b, a, bs = batch.block_ids.shape
     with torch.no_grad():
         embeds = target.embed(batch.block_ids.reshape(b, a * bs))  # [B, A*bs, H]
@@ -115,15 +148,32 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float) -> Lo
     # mask slots only, as one contiguous [N, H] matrix: the lm_head is then a single GEMM
     # (a strided 4-D input sends F.linear down a batched path ~8x slower on CPU)
     hidden = hidden.view(b, a, bs, -1)[:, :, 1:].reshape(b * a * (bs - 1), -1)  # [N, H]
-    targets = batch.targets.masked_fill(~batch.anchor_valid[:, :, None], IGNORE)  # [B, A, bs-1]
-    logits = target.head(hidden).float().view(b, a, bs - 1, -1)  # [B, A, bs-1, V]
-    ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE,
-                         reduction="none").view(b, a, bs - 1)
-    valid = (targets != IGNORE).float()
+    targets = batch.targets.masked_fill(~batch.anchor_valid[:, :, None], IGNORE).reshape(-1)  # [N]
+    t_ids, t_lp = batch.teacher_ids, batch.teacher_logprobs
+    if vocab is None:
+        logits = target.head(hidden).float()  # [N, V]
+    else:
+        logits = F.linear(hidden, vocab.weight.to(hidden.dtype)).float()  # [N, K]
+        mapped = vocab.index[targets.clamp_min(0)]
+        targets = torch.where((targets == IGNORE) | (mapped < 0), IGNORE, mapped)
+        if t_ids is not None:
+            t_map = vocab.index[t_ids]
+            t_lp = t_lp.masked_fill(t_map < 0, float("-inf"))
+            t_ids = t_map.clamp_min(0)
+    logq = torch.log_softmax(logits, dim=-1)  # [N, V or K], shared by CE and KD
+    ignore = targets == IGNORE
+    loss_n = -logq.gather(-1, targets.clamp_min(0)[:, None])[:, 0].masked_fill(ignore, 0.0)  # [N]
+    if kd_weight > 0:
+        if t_ids is None:
+            raise ValueError("kd_weight > 0 needs teacher distributions in the data (regenerate with topk)")
+        k = t_ids.shape[-1]
+        kd = distill_ce(logq, t_ids.reshape(-1, k), t_lp.reshape(-1, k)).masked_fill(ignore, 0.0)
+        loss_n = (1 - kd_weight) * loss_n + kd_weight * kd
+    valid = (~ignore).float().view(b, a, bs - 1)
     weights = position_weights(bs, gamma)[None, None, :] * valid
-    loss = (ce * weights).sum() / weights.sum().clamp_min(1e-9)
+    loss = (loss_n.view(b, a, bs - 1) * weights).sum() / weights.sum().clamp_min(1e-9)
     with torch.no_grad():
-        correct = (logits.argmax(-1) == targets) & (targets != IGNORE)  # [B, A, bs-1]
+        correct = ((logits.argmax(-1) == targets) & ~ignore).view(b, a, bs - 1)
         blocks = batch.anchor_valid
         lead = torch.cumprod(correct.long(), dim=-1).sum(-1)  # [B, A]
         n_blocks = max(int(blocks.sum()), 1)

@@ -35,6 +35,7 @@ from dflash_trt.spec.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 FEATURE_DTYPE = torch.float16  # taps on disk and in memory (the drafter casts them to its dtype)
+TOPK = 16  # teacher log-probs kept per response token (for the distillation loss)
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,53 @@ class Sample:
     prompt_len: int
     tokens: torch.Tensor  # [L] int64: prompt then response
     taps: torch.Tensor  # [L - 1, n_taps * H] float16: taps of positions 0..L-2 (the last token is never fed)
+    # the target's distribution that chose each response token: top-k ids and full-vocab log-probs
+    topk_ids: torch.Tensor | None = None  # [L - prompt_len, k] int32
+    topk_logprobs: torch.Tensor | None = None  # [L - prompt_len, k] float16, log softmax over the vocab
 
     def __post_init__(self) -> None:
         length = self.tokens.shape[0]
         if self.taps.dim() != 2 or self.taps.shape[0] != length - 1:
             raise CheckpointError(f"sample {self.index}: taps {tuple(self.taps.shape)} do not match {length} tokens")
+        if (self.topk_ids is None) != (self.topk_logprobs is None):
+            raise CheckpointError(f"sample {self.index}: top-k ids and log-probs must come together")
+        if self.topk_ids is not None and (self.topk_ids.shape != self.topk_logprobs.shape
+                                          or self.topk_ids.shape[0] != length - self.prompt_len):
+            raise CheckpointError(f"sample {self.index}: top-k {tuple(self.topk_ids.shape)} does not match "
+                                  f"{length - self.prompt_len} response tokens")
 
     @property
     def response_len(self) -> int:
         return self.tokens.shape[0] - self.prompt_len
+
+    def load(self) -> "Sample":
+        return self
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """A cached sample whose tokens are in memory and whose taps stay on disk until `load`
+    (a million-token data set's taps are ~7 GB: training reads only the batch it needs)."""
+
+    index: int
+    prompt_len: int
+    tokens: torch.Tensor  # [L] int64
+    path: Path  # the shard holding it
+    key: int  # its index inside the shard
+
+    @property
+    def response_len(self) -> int:
+        return self.tokens.shape[0] - self.prompt_len
+
+    def load(self) -> Sample:
+        with safe_open(str(self.path), framework="pt") as f:
+            names = set(f.keys())
+            k = self.key
+            has_topk = f"topk_ids.{k}" in names
+            return Sample(index=self.index, prompt_len=self.prompt_len, tokens=self.tokens,
+                          taps=f.get_tensor(f"taps.{k}"),
+                          topk_ids=f.get_tensor(f"topk_ids.{k}") if has_topk else None,
+                          topk_logprobs=f.get_tensor(f"topk_logprobs.{k}") if has_topk else None)
 
 
 def data_key(target_dir: Path, max_new_tokens: int, tap_layers: tuple[int, ...]) -> str:
@@ -76,11 +115,13 @@ class TapRecorder:
     Set `current` to the sequences that own rows 0.. of the next forward (the batch being added,
     or the active sequences before a step)."""
 
-    def __init__(self, target, tap_layers: tuple[int, ...]) -> None:
+    def __init__(self, target, tap_layers: tuple[int, ...], topk: int = 0) -> None:
         self.target = target
         self.tap_layers = tuple(tap_layers)
+        self.topk = topk  # 0: do not record the teacher distribution
         self.current: list[Sequence] = []
         self.records: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.teacher: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
     def info(self):
@@ -110,6 +151,16 @@ class TapRecorder:
             keep = real[i]
             self.records.setdefault(seq.request_id, []).append(
                 (positions[i, keep].cpu(), out.taps[i, keep].to(device="cpu", dtype=FEATURE_DTYPE)))
+        if self.topk:
+            # autoregressive forwards return the logits of each row's last fed position: the
+            # distribution the next (response) token is chosen from
+            if out.logits.shape[1] != 1:
+                raise InputError("TapRecorder(topk>0) records one distribution per row and forward")
+            logp = torch.log_softmax(out.logits[:, 0].float(), dim=-1)  # [B, V]
+            vals, ids = logp.topk(self.topk, dim=-1)
+            for i, seq in enumerate(self.current):
+                self.teacher.setdefault(seq.request_id, []).append(
+                    (ids[i].to("cpu", torch.int32), vals[i].to("cpu", torch.float16)))
         return TargetOutput(logits=out.logits, taps=out.taps if tap_layers else None)
 
     def pop_sample(self, index: int, seq: Sequence) -> Sample:
@@ -119,58 +170,87 @@ class TapRecorder:
         tokens = torch.tensor(seq.prompt + seq.tokens, dtype=torch.long)
         expected = torch.arange(tokens.shape[0] - 1)
         assert torch.equal(pos, expected), f"sequence {index}: fed positions are not 0..L-2"
-        return Sample(index=index, prompt_len=len(seq.prompt), tokens=tokens, taps=taps)
+        topk_ids = topk_lp = None
+        if self.topk:
+            dist = self.teacher.pop(seq.request_id)[: len(seq.tokens)]
+            topk_ids = torch.stack([d[0] for d in dist])
+            topk_lp = torch.stack([d[1] for d in dist])
+        return Sample(index=index, prompt_len=len(seq.prompt), tokens=tokens, taps=taps,
+                      topk_ids=topk_ids, topk_logprobs=topk_lp)
 
 
 class ShardCache:
     """Finished samples on disk: shard-NNNNN.safetensors files plus meta.json."""
 
-    def __init__(self, directory: Path, meta: dict) -> None:
+    def __init__(self, directory: Path, meta: dict, tag: str = "") -> None:
         self.directory = Path(directory)
         self.meta = meta
+        self.tag = tag  # writers with distinct tags may share a directory
 
-    def load(self) -> dict[tuple[int, ...], Sample]:
-        """Every cached sample, keyed by its prompt ids."""
-        samples: dict[tuple[int, ...], Sample] = {}
+    def load(self, lazy: bool = False) -> dict[tuple[int, ...], Sample | SampleRef]:
+        """Every cached sample, keyed by its prompt ids (SampleRefs when `lazy`)."""
+        samples: dict[tuple[int, ...], Sample | SampleRef] = {}
         if not self.directory.is_dir():
             return samples
         for path in sorted(self.directory.glob("shard-*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
-                for name in [k for k in f.keys() if k.startswith("tokens.")]:
+                names = set(f.keys())
+                for name in [k for k in names if k.startswith("tokens.")]:
                     i = int(name.split(".", 1)[1])
                     prompt_len = int(f.get_tensor(f"prompt_len.{i}")[0])
                     tokens = f.get_tensor(name)
-                    sample = Sample(index=i, prompt_len=prompt_len, tokens=tokens, taps=f.get_tensor(f"taps.{i}"))
+                    if lazy:
+                        samples[tuple(tokens[:prompt_len].tolist())] = SampleRef(i, prompt_len, tokens, path, i)
+                        continue
+                    has_topk = f"topk_ids.{i}" in names
+                    sample = Sample(index=i, prompt_len=prompt_len, tokens=tokens, taps=f.get_tensor(f"taps.{i}"),
+                                    topk_ids=f.get_tensor(f"topk_ids.{i}") if has_topk else None,
+                                    topk_logprobs=f.get_tensor(f"topk_logprobs.{i}") if has_topk else None)
                     samples[tuple(tokens[:prompt_len].tolist())] = sample
         return samples
 
-    def write(self, samples: list[Sample]) -> None:
+    def write(self, samples: list[Sample]) -> Path | None:
         if not samples:
-            return
+            return None
         self.directory.mkdir(parents=True, exist_ok=True)
         write_json(self.directory / "meta.json", self.meta)
-        n = len(list(self.directory.glob("shard-*.safetensors")))
+        n = len(list(self.directory.glob(f"shard-{self.tag}[0-9]*.safetensors")))
         tensors: dict[str, torch.Tensor] = {}
         for s in samples:
             tensors[f"tokens.{s.index}"] = s.tokens
             tensors[f"taps.{s.index}"] = s.taps
             tensors[f"prompt_len.{s.index}"] = torch.tensor([s.prompt_len])
-        write_safetensors(self.directory / f"shard-{n:05d}.safetensors", tensors)
+            if s.topk_ids is not None:
+                tensors[f"topk_ids.{s.index}"] = s.topk_ids
+                tensors[f"topk_logprobs.{s.index}"] = s.topk_logprobs
+        path = self.directory / f"shard-{self.tag}{n:05d}.safetensors"
+        write_safetensors(path, tensors)
+        return path
+
+
+def _flush(cache: ShardCache, buffer: list[Sample], done: dict, lazy: bool) -> None:
+    """Write finished samples; when `lazy`, keep only references to them in memory."""
+    path = cache.write(buffer)
+    if lazy and path is not None:
+        for s in buffer:
+            done[s.index] = SampleRef(s.index, s.prompt_len, s.tokens, path, s.index)
 
 
 def regenerate(target, prompts: list[list[int]], tap_layers: tuple[int, ...], cache_dir: Path, *,
                key: str, max_new_tokens: int, batch_size: int, max_seq_len: int,
-               shard_size: int = 64, progress: bool = True) -> list[Sample]:
+               shard_size: int = 64, progress: bool = True, topk: int = 0, tag: str = "",
+               lazy: bool = False) -> list[Sample | SampleRef]:
     """Greedy responses of `target` to every prompt, with the taps of every fed position.
 
     Prompts already in `cache_dir` are not redone. Returns samples in prompt order.
     """
-    cache = ShardCache(cache_dir, {"key": key, "max_new_tokens": max_new_tokens, "tap_layers": list(tap_layers)})
-    cached = cache.load()
+    cache = ShardCache(cache_dir, {"key": key, "max_new_tokens": max_new_tokens, "tap_layers": list(tap_layers),
+                                   "topk": topk}, tag=tag)
+    cached = cache.load(lazy)
     done = {i: replace(cached[tuple(p)], index=i) for i, p in enumerate(prompts) if tuple(p) in cached}
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     if todo:
-        recorder = TapRecorder(target, tap_layers)
+        recorder = TapRecorder(target, tap_layers, topk)
         engine = DFlashEngine(recorder, None, EngineConfig(spec=False, max_batch_size=batch_size,
                                                            max_seq_len=max_seq_len))
         waiting = []
@@ -202,8 +282,8 @@ def regenerate(target, prompts: list[list[int]], tap_layers: tuple[int, ...], ca
                 bar.update(1)
             bar.set_postfix(tokens=tokens, active=len(engine.active))
             if len(buffer) >= shard_size:
-                cache.write(buffer)
+                _flush(cache, buffer, done, lazy)
                 buffer = []
-        cache.write(buffer)
+        _flush(cache, buffer, done, lazy)
         bar.close()
     return [done[i] for i in range(len(prompts))]

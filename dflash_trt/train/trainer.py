@@ -36,15 +36,17 @@ from dflash_trt.models.transformer import head_dim_of
 from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
 from dflash_trt.spec.sampling import SamplingParams
 from dflash_trt.train.features import make_batch
-from dflash_trt.train.loss import block_loss, cosine_schedule, default_gamma
+from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma
 from dflash_trt.train.regen import Sample, data_key, regenerate
 from dflash_trt.train.state import load_checkpoint, read_latest, save_checkpoint
+from dflash_trt.train.warm_start import warm_start_from_target
 
 log = logging.getLogger(__name__)
 
 # settings a resumed run must share with the run that wrote the checkpoint
 RESUME_FIELDS = ("target", "drafter_init", "num_layers", "tap_layers", "block_size", "intermediate_size",
-                 "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed")
+                 "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
+                 "init", "kd_weight", "topk", "train_vocab")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,11 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     progress: bool = True
+    init: str = "random"  # "random" | "target": drafter layers copied from the target (train/warm_start.py)
+    kd_weight: float = 0.0  # share of the distillation loss (needs topk > 0)
+    topk: int = 0  # teacher log-probs recorded per response token during regeneration
+    heldout_every: int = 0  # steps between held-out block metrics (0: off)
+    train_vocab: int = 0  # >0: the loss runs over the most frequent `train_vocab` data tokens only (speed)
 
     def __post_init__(self) -> None:
         positive = {"num_layers": self.num_layers, "block_size": self.block_size, "steps": self.steps,
@@ -94,6 +101,12 @@ class TrainConfig:
             raise ConfigError("need lr > 0, 0 <= warmup_ratio < 1, grad_clip > 0 and weight_decay >= 0")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.init not in ("random", "target"):
+            raise ConfigError(f"init must be 'random' or 'target', got '{self.init}'")
+        if not 0 <= self.kd_weight <= 1 or self.topk < 0 or self.heldout_every < 0 or self.train_vocab < 0:
+            raise ConfigError("need 0 <= kd_weight <= 1, topk >= 0 and heldout_every >= 0")
+        if self.kd_weight > 0 and self.topk == 0:
+            raise ConfigError("kd_weight > 0 distills the target's distribution: set topk (e.g. 16)")
         if self.save_dtype not in DTYPES:
             raise ConfigError(f"save_dtype must be one of {sorted(DTYPES)}, got '{self.save_dtype}'")
 
@@ -111,6 +124,8 @@ class TrainState:
     step: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) of every step
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, eval tau)
+    heldout: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, block accept length)
+    best: tuple[int, float] | None = None  # (step, held-out accept length) of the best checkpoint so far
     wall_s: float = 0.0  # training time so far, all sessions
 
 
@@ -157,10 +172,12 @@ def evaluate_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], max_n
 
 class Trainer:
     def __init__(self, config: TrainConfig, prompts: list[list[int]], eval_prompts: list[list[int]],
-                 data_recipe: dict | None = None) -> None:
+                 data_recipe: dict | None = None, heldout_prompts: list[list[int]] | None = None) -> None:
         if not prompts:
             raise ConfigError("no training prompts")
         self.config, self.prompts, self.eval_prompts = config, prompts, eval_prompts
+        self.heldout_prompts = heldout_prompts or []
+        self.heldout: list = []
         self.data_recipe = json.loads(json.dumps(data_recipe or {}))  # plain lists/dicts (YAML, torch.load)
         self.ckpt_root = config.work_dir / "checkpoints"
         self.target = load_native_target(config.target, torch.float32)
@@ -185,13 +202,16 @@ class Trainer:
     def prepare_data(self) -> list[Sample]:
         c, taps = self.config, self.drafter_cfg.target_layer_ids
         key = data_key(c.target, c.max_new_tokens, taps)
-        samples = regenerate(self.target, self.prompts, taps, c.data_root / f"regen-{key[:16]}", key=key,
-                             max_new_tokens=c.max_new_tokens, batch_size=c.regen_batch_size,
-                             max_seq_len=c.max_seq_len, progress=c.progress)
+        kw = dict(key=key, max_new_tokens=c.max_new_tokens, batch_size=c.regen_batch_size,
+                  max_seq_len=c.max_seq_len, progress=c.progress, topk=c.topk, lazy=True)
+        samples = regenerate(self.target, self.prompts, taps, c.data_root / f"regen-{key[:16]}", **kw)
         usable = [s for s in samples if s.response_len >= 2]
         if not usable:
             raise ConfigError("no regenerated response has 2 or more tokens: raise max_new_tokens")
         self.samples = usable
+        if self.heldout_prompts:
+            held = regenerate(self.target, self.heldout_prompts, taps, c.data_root / f"regen-{key[:16]}", **kw)
+            self.heldout = [s for s in held if s.response_len >= 2]
         return usable
 
     def _build(self):
@@ -200,6 +220,9 @@ class Trainer:
             drafter = DFlashDrafter.from_pretrained(c.drafter_init, torch.float32).train()
         else:
             drafter = new_drafter(self.drafter_cfg, c.seed).train()
+            if c.init == "target":
+                used = warm_start_from_target(drafter, self.target)
+                log.info("drafter layers initialized from target layers %s", used)
         opt = torch.optim.AdamW(drafter.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
         warmup = max(1, round(c.warmup_ratio * c.steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, c.steps, warmup))
@@ -234,7 +257,9 @@ class Trainer:
         torch.set_rng_state(extra["torch_rng"])
         s = extra["state"]
         self.state = TrainState(step=s["step"], losses=[tuple(x) for x in s["losses"]],
-                                evals=[tuple(x) for x in s["evals"]], wall_s=s["wall_s"])
+                                evals=[tuple(x) for x in s["evals"]], wall_s=s["wall_s"],
+                                heldout=[tuple(x) for x in s.get("heldout", [])],
+                                best=tuple(s["best"]) if s.get("best") else None)
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self, on_step: Callable[[int, float], None] | None = None) -> DFlashDrafter:
@@ -253,6 +278,7 @@ class Trainer:
             raise ConfigError(f"{self.ckpt_root} already holds checkpoints: pass --resume to continue, "
                               "or use a fresh --work-dir")
         gamma = c.gamma or default_gamma(self.drafter_cfg.block_size)
+        vocab = self.train_vocab() if c.train_vocab else None
         bar = tqdm(total=c.steps, initial=self.state.step, desc="train", unit="step", disable=not c.progress,
                    mininterval=1.0)
         consistent, start = True, time.perf_counter()
@@ -263,9 +289,9 @@ class Trainer:
             # 3. steps
             while self.state.step < c.steps:
                 idx = torch.randint(len(self.samples), (c.batch_size,), generator=gen).tolist()
-                batch = make_batch([self.samples[i] for i in idx], c.anchors_per_seq,
+                batch = make_batch([self.samples[i].load() for i in idx], c.anchors_per_seq,
                                    self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id, gen)
-                out = block_loss(drafter, self.target, batch, gamma)
+                out = block_loss(drafter, self.target, batch, gamma, c.kd_weight, vocab)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), c.grad_clip)
@@ -279,6 +305,8 @@ class Trainer:
                 step = self.state.step
                 if c.eval_every and self.eval_prompts and (step % c.eval_every == 0 or step == c.steps):
                     eval_tau = self._eval(drafter)
+                if c.heldout_every and self.heldout and (step % c.heldout_every == 0 or step == c.steps):
+                    self._heldout_eval(drafter, gamma)
                 post = {"loss": f"{float(out.loss.detach()):.3f}", "acc_len": f"{out.accept_len:.2f}",
                         "lr": f"{sched.get_last_lr()[0]:.1e}"}
                 if eval_tau is not None:
@@ -303,6 +331,44 @@ class Trainer:
         self.write_output(drafter)
         return drafter
 
+    def train_vocab(self) -> TrainVocab:
+        """The `train_vocab` most frequent token ids of the training sequences (prompts and responses)."""
+        counts = torch.zeros(self.target.info.vocab_size, dtype=torch.long)
+        for s in self.samples:
+            counts += torch.bincount(s.tokens, minlength=counts.numel())
+        ids = counts.argsort(descending=True)[: self.config.train_vocab]
+        ids = ids[counts[ids] > 0]
+        covered = float(counts[ids].sum()) / max(int(counts.sum()), 1)
+        log.info("training loss over %d tokens covering %.4f of the data's tokens", ids.numel(), covered)
+        return TrainVocab.build(self.target.lm_head.weight, ids)
+
+    @torch.no_grad()
+    def heldout_metrics(self, drafter: DFlashDrafter, gamma: float, anchors: int = 64) -> tuple[float, float]:
+        """(loss, block accept length) on the held-out samples; fixed anchors, so comparable across steps."""
+        gen = torch.Generator().manual_seed(1234)
+        bs, mask = self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id
+        loss_sum = acc_sum = weight = 0.0
+        was_training = drafter.training
+        drafter.eval()
+        for i in range(0, len(self.heldout), 4):
+            batch = make_batch([s.load() for s in self.heldout[i:i + 4]], anchors, bs, mask, gen)
+            out = block_loss(drafter, self.target, batch, gamma, self.config.kd_weight if batch.teacher_ids is not None else 0.0)
+            n = int(batch.anchor_valid.sum())
+            loss_sum += float(out.loss) * n
+            acc_sum += out.accept_len * n
+            weight += n
+        drafter.train(was_training)
+        return loss_sum / max(weight, 1), acc_sum / max(weight, 1)
+
+    def _heldout_eval(self, drafter: DFlashDrafter, gamma: float) -> None:
+        loss, acc = self.heldout_metrics(drafter, gamma)
+        step = self.state.step
+        self.state.heldout.append((step, loss, acc))
+        log.info("step %d: held-out loss %.4f, block accept length %.3f", step, loss, acc)
+        if self.state.best is None or acc > self.state.best[1]:
+            self.state.best = (step, acc)
+            drafter.save_pretrained(self.config.work_dir / "best", dtype=DTYPES[self.config.save_dtype])
+
     def _eval(self, drafter: DFlashDrafter) -> float:
         drafter.eval()
         tau = evaluate_tau(self.target, drafter, self.eval_prompts, self.config.eval_tokens)
@@ -325,6 +391,8 @@ class Trainer:
             "data": {"recipe": self.data_recipe, "sequences": len(self.samples), "tokens": tokens,
                      "response_tokens": sum(s.response_len for s in self.samples)},
             "results": {"steps": self.state.step, "wall_s": round(self.state.wall_s, 1),
+                        "heldout": [[st, round(lo, 4), round(ac, 4)] for st, lo, ac in self.state.heldout],
+                        "best": list(self.state.best) if self.state.best else None,
                         "final_loss": self.state.losses[-1][1] if self.state.losses else None,
                         "eval_tau": [[s, round(t, 3)] for s, t in self.state.evals]},
         }

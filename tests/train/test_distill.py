@@ -1,0 +1,160 @@
+"""Training levers of the scaled drafter recipe: recorded teacher distributions, the distillation
+loss, the training-vocabulary subset, the warm start from target layers, lazy samples and
+continuing from a drafter."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.errors import ConfigError
+from dflash_trt.models.target import native_from_hf
+from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
+from dflash_trt.train.features import IGNORE, compute_features, make_batch
+from dflash_trt.train.loss import TrainVocab, block_loss, distill_ce
+from dflash_trt.train.regen import Sample, SampleRef, regenerate
+from dflash_trt.train.warm_start import default_source_layers, warm_start_from_target
+
+VOCAB = 48
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = build_tiny_target("llama", seed=2, dtype=torch.float64, vocab_size=VOCAB, num_layers=4)
+    return hf, native_from_hf(hf)
+
+
+@pytest.fixture(scope="module")
+def regenerated(tiny, tmp_path_factory):
+    _, target = tiny
+    prompts = _prompts(5, seed=3)
+    root = tmp_path_factory.mktemp("regen")
+    kw = dict(key="k", max_new_tokens=10, batch_size=3, max_seq_len=48, shard_size=2, progress=False, topk=6)
+    return prompts, regenerate(target, prompts, (1, 3), root, **kw), root, kw
+
+
+# ---- recorded teacher distributions -------------------------------------------------------------
+
+def test_recorded_topk_equals_a_fresh_target_forward(tiny, regenerated):
+    _, target = tiny
+    _, samples, _, _ = regenerated
+    for s in samples:
+        cache = target.new_cache(1, 64)
+        rows = cache.add_rows(1)
+        ids = s.tokens[None, :-1]
+        pos = torch.arange(ids.shape[1])[None]
+        out = target.forward(cache, slice(rows.start, rows.stop), ids, pos,
+                             logit_index=torch.arange(s.prompt_len - 1, ids.shape[1])[None])
+        logp = torch.log_softmax(out.logits[0].float(), -1)  # [R, V]: the distribution of each response token
+        vals, idx = logp.topk(6, -1)
+        assert s.topk_ids.shape == (s.response_len, 6)
+        assert torch.equal(s.topk_ids[:, 0].long(), s.tokens[s.prompt_len:])  # greedy = the top-1
+        assert torch.equal(s.topk_ids.long(), idx)
+        torch.testing.assert_close(s.topk_logprobs.float(), vals, rtol=0, atol=2e-3)
+
+
+def test_lazy_refs_load_what_was_written(tiny, regenerated):
+    prompts, samples, root, kw = regenerated
+    refs = regenerate(None, prompts, (1, 3), root, **{**kw, "lazy": True})
+    assert all(isinstance(r, SampleRef) for r in refs)
+    for r, s in zip(refs, samples):
+        loaded = r.load()
+        assert torch.equal(loaded.tokens, s.tokens) and torch.equal(loaded.taps, s.taps)
+        assert torch.equal(loaded.topk_ids, s.topk_ids) and torch.equal(loaded.topk_logprobs, s.topk_logprobs)
+
+
+def test_batch_teacher_is_the_distribution_of_each_target_token(regenerated):
+    _, samples, _, _ = regenerated
+    batch = make_batch(samples, 4, 4, VOCAB - 1, torch.Generator().manual_seed(0))
+    valid = batch.targets != IGNORE
+    assert bool(valid.any())
+    # wherever a slot has a target token, the teacher's top-1 is that token (greedy data)
+    assert torch.equal(batch.teacher_ids[..., 0][valid], batch.targets[valid])
+    assert bool(torch.isinf(batch.teacher_logprobs[~valid]).all())
+
+
+# ---- losses -----------------------------------------------------------------------------------
+
+def test_distillation_reduces_to_cross_entropy_for_a_one_hot_teacher():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 30, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 30, (7,), generator=g)
+    ids = torch.stack([labels, (labels + 1) % 30, (labels + 2) % 30], -1)
+    lp = torch.tensor([0.0, float("-inf"), float("-inf")], dtype=torch.float64).expand(7, 3)
+    kd = distill_ce(torch.log_softmax(logits, -1), ids, lp)
+    torch.testing.assert_close(kd, F.cross_entropy(logits, labels, reduction="none"))
+    soft = torch.log_softmax(torch.randn(7, 3, generator=g, dtype=torch.float64), -1)
+    logq = torch.log_softmax(logits, -1)
+    expected = -(soft.exp() * logq.gather(-1, ids)).sum(-1)
+    torch.testing.assert_close(distill_ce(logq, ids, soft), expected)
+
+
+def _drafter_for(hf, **kw):
+    c = hf.config
+    shape = dict(intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                 num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads)
+    return build_tiny_drafter(c, dtype=torch.float64, num_layers=2, block_size=4, taps=[1, 3], **{**shape, **kw})
+
+
+def test_kd_weight_and_full_train_vocab(tiny, regenerated):
+    hf, target = tiny
+    _, samples, _, _ = regenerated
+    drafter = _drafter_for(hf)
+    batch = make_batch(samples, 4, 4, VOCAB - 1, torch.Generator().manual_seed(1))
+    ce = block_loss(drafter, target, batch, 4.0, 0.0)
+    kd0 = block_loss(drafter, target, batch, 4.0, 0.0, TrainVocab.build(target.lm_head.weight, torch.arange(VOCAB)))
+    torch.testing.assert_close(ce.loss, kd0.loss)  # the whole vocabulary as the subset changes nothing
+    half = block_loss(drafter, target, batch, 4.0, 0.5)
+    full = block_loss(drafter, target, batch, 4.0, 1.0)
+    torch.testing.assert_close(half.loss, 0.5 * ce.loss + 0.5 * full.loss)
+    assert not torch.isclose(ce.loss, full.loss)
+    ids = torch.arange(0, VOCAB, 2)  # half the vocabulary: slots with odd target ids drop out
+    sub = block_loss(drafter, target, batch, 4.0, 0.0, TrainVocab.build(target.lm_head.weight, ids))
+    assert sub.tokens == int(((batch.targets % 2 == 0) & (batch.targets != IGNORE) & batch.anchor_valid[..., None]).sum())
+
+
+def test_kd_without_teacher_data_is_an_error(tiny):
+    hf, target = tiny
+    tokens = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(0))
+    taps = compute_features(target, [tokens], (1, 3))[0]
+    batch = make_batch([Sample(0, 5, tokens, taps)], 3, 4, VOCAB - 1, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="teacher"):
+        block_loss(_drafter_for(hf), target, batch, 4.0, 0.5)
+
+
+# ---- warm start -------------------------------------------------------------------------------
+
+def test_warm_start_feeds_the_first_copied_layer_its_own_input(tiny):
+    hf, target = tiny
+    drafter = _drafter_for(hf)
+    used = warm_start_from_target(drafter, target)
+    assert used == default_source_layers(4, 3, 2) == [2, 3]  # too few layers after tap 3: the last two
+    tokens = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(0))
+    taps = compute_features(target, [tokens], (1, 3))[0].double()  # [L-1, 2 H]
+    h = hf.config.hidden_size
+    deepest = taps[:, h:]  # output of layer 3
+    # the fused context is exactly what target layer `used[0]` normalizes its input to
+    ctx = drafter.fuse(taps[None])[0]
+    ref = target.model.layers[used[0]].input_layernorm(deepest)
+    torch.testing.assert_close(ctx, ref, rtol=1e-12, atol=1e-12)
+    for i, src in enumerate(used):
+        t_layer, d_layer = target.model.layers[src], drafter.layers[i]
+        x = torch.randn(3, h, dtype=torch.float64)
+        torch.testing.assert_close(d_layer.mlp(x), t_layer.mlp(x))
+        torch.testing.assert_close(d_layer.self_attn.k_proj(ctx), t_layer.self_attn.k_proj(ref))
+    torch.testing.assert_close(drafter.norm.weight, target.model.norm.weight)
+
+
+def test_warm_start_rejects_a_drafter_of_another_shape(tiny):
+    hf, target = tiny
+    narrow = _drafter_for(hf, intermediate_size=hf.config.intermediate_size // 2)
+    with pytest.raises(ConfigError, match="target's width"):
+        warm_start_from_target(narrow, target)
+    with pytest.raises(ConfigError):
+        warm_start_from_target(narrow, target, [9])
