@@ -27,8 +27,8 @@ import torch
 
 from dflash_trt.errors import DFlashError, InputError
 from dflash_trt.runtime.loader import LoadedModels
-from dflash_trt.spec.decoder import EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import torch
 
 from dflash_trt.checkpoint import modelopt_hf
 from dflash_trt.quant.calibrate import calibrate_drafter, calibrate_target, calibration_prompts
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dflash_trt.bench.datasets import load_mtbench
-    from dflash_trt.models.default import chat_prompt_ids, default_cache_dir, ensure_default_target
+    from dflash_trt.models.smollm2 import chat_prompt_ids, default_cache_dir, ensure_default_target
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_native_target
     from dflash_trt.runtime.loader import load_tokenizer

@@ -32,7 +32,7 @@ from dflash_trt.bench.report import (SCHEMA_VERSION, Record, RequestTiming, aggr
                                      per_position, record_dicts, speed_ratios, sweep_point, tau_of)
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, Scheduler, TokenEvent
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def load_prompts(datasets: tuple[str, ...], limit: int | None) -> list[BenchProm
 
 def tokenize(prompts: list[BenchPrompt], tokenizer) -> list[BenchPrompt]:
     """Code prompts are completed as raw text; chat prompts go through the chat template."""
-    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.models.smollm2 import chat_prompt_ids
 
     if tokenizer is None:
         raise InputError("the target has no tokenizer, so text prompts cannot be encoded")

@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 from tqdm.auto import tqdm
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.decoder import DFlashEngine, GenerationResult
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, GenerationResult
+from dflash_trt.speculative.sampling import SamplingParams
 
 EngineFactory = Callable[[bool, int], DFlashEngine]  # (spec, max_batch_size) -> engine
 MODES = ("autoregressive", "dflash")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.loader import LoadedModels, ModelSpec, load_models
-from dflash_trt.spec.decoder import ACCEPTANCE_MODES, EngineConfig
+from dflash_trt.speculative.decoder import ACCEPTANCE_MODES, EngineConfig
 
 CACHE_ENV = "DFLASH_TRT_CACHE"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dflash"
@@ -43,7 +43,7 @@ def cache_dir(args: argparse.Namespace) -> Path:
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     target, drafter = args.target, args.drafter
     if target is None:
-        from dflash_trt.models.default import ensure_default_target
+        from dflash_trt.models.smollm2 import ensure_default_target
 
         target = ensure_default_target(cache_dir(args))
         if drafter is None and not args.no_spec:

@@ -13,7 +13,7 @@ import time
 
 from dflash_trt.commands.common import add_model_flags, cache_dir, engine_config, load
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.sampling import SamplingParams
 
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
 

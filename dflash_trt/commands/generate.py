@@ -11,7 +11,7 @@ import sys
 
 from dflash_trt.commands.common import add_model_flags, engine_config, load, model_spec
 from dflash_trt.errors import InputError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.sampling import SamplingParams
 
 
 def register(sub) -> None:
@@ -56,7 +56,7 @@ def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[
     if tok is None:
         raise InputError("this target has no tokenizer: use --prompt-ids")
     if chat:
-        from dflash_trt.models.default import chat_prompt_ids
+        from dflash_trt.models.smollm2 import chat_prompt_ids
 
         return chat_prompt_ids(tok, prompt)
     return tok.encode(prompt)

@@ -79,7 +79,7 @@ def parse_taps(text: str | None) -> tuple[int, ...] | None:
 def training_prompts(tokenizer, recipe, target=None, max_prompt_tokens: int = 384):
     """(prompt token ids, PromptSet) after the eval-overlap filter; long prompts dropped."""
     from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
-    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.models.smollm2 import chat_prompt_ids
     from dflash_trt.train.data import build_training_prompts
 
     generate_fn = engine_generate_fn(target) if recipe.self_prompt_count else None
@@ -94,8 +94,8 @@ def training_prompts(tokenizer, recipe, target=None, max_prompt_tokens: int = 38
 
 def engine_generate_fn(target, max_new_tokens: int = 96):
     """A train/data.py GenerateFn on our engine: seeded sampling (T=1, top-p 0.95), batch 1."""
-    from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=512))
 
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     target_dir = args.target
     if target_dir is None:
         from dflash_trt.commands.common import cache_dir
-        from dflash_trt.models.default import ensure_default_target
+        from dflash_trt.models.smollm2 import ensure_default_target
 
         target_dir = ensure_default_target(cache_dir(args))
     tokenizer = load_tokenizer(target_dir)

@@ -3,7 +3,7 @@
 triton-repo writes a model repository (Python backend, decoupled/streaming) whose tensors match
 TensorRT-LLM's LLM-API Triton model: text_input, streaming, sampling_param_* -> text_output,
 finish_reason, acceptance_rate, total_accepted_draft_tokens, total_draft_tokens. With --config the
-model spec comes from a YAML (schema in dflash_trt/serve/triton/spec.py); model flags that are
+model spec comes from a YAML (schema in dflash_trt/serve/triton/settings.py); model flags that are
 given with a value other than their default override it.
 
 triton-serve starts nvidia-pytriton's bundled tritonserver on that repository (loopback by
@@ -33,7 +33,7 @@ REPO_FLAGS = {  # flag dest -> (section or None, spec key)
 def register(sub) -> None:
     p = sub.add_parser("triton-repo", help="write a Triton model repository that serves DFlash",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None, help="model spec YAML (see dflash_trt/serve/triton/spec.py)")
+    p.add_argument("--config", type=Path, default=None, help="model spec YAML (see dflash_trt/serve/triton/settings.py)")
     p.add_argument("--output", type=Path, required=True, help="the model repository folder (created if missing)")
     p.add_argument("--model-name", default="dflash", help="Triton model name (default: dflash)")
     p.add_argument("--backend", choices=("torch", "trtllm"), default="torch",
@@ -65,7 +65,7 @@ def register(sub) -> None:
 def _spec_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict, Path]:
     """The model spec as a dict, and the folder relative paths are taken from."""
     if args.config is not None:
-        from dflash_trt.serve.triton.spec import TritonModelSpec
+        from dflash_trt.serve.triton.settings import TritonModelSpec
 
         raw = TritonModelSpec.load(args.config).model_dump(mode="json")
         base = args.config.resolve().parent
@@ -88,7 +88,7 @@ def _spec_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
 def run_repo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dflash_trt.serve.triton.repo import write_repository
-    from dflash_trt.serve.triton.spec import TritonModelSpec
+    from dflash_trt.serve.triton.settings import TritonModelSpec
 
     raw, base = _spec_dict(args, parser)
     spec = TritonModelSpec.from_dict(raw, "triton-repo").resolved(base)

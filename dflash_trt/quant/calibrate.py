@@ -88,7 +88,7 @@ def calibration_prompts(count: int, *, tokenizer=None, vocab_size: int | None = 
             raise ConfigError("calibration without a tokenizer needs the vocabulary size")
         gen = torch.Generator().manual_seed(seed)
         return [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for _ in range(count)]
-    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.models.smollm2 import chat_prompt_ids
     from dflash_trt.train.data import stdlib_prompts
 
     prompts = stdlib_prompts(seed, limit=count)
@@ -115,8 +115,8 @@ def calibrate_target(target, prompts: Sequence[Sequence[int]]) -> Calibration:
 
 def calibrate_drafter(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32) -> Calibration:
     """Input amax of every nn.Linear of a DFlash drafter while it drafts greedily for `target`."""
-    from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     prompts = _require_prompts(prompts)
     longest = max(map(len, prompts)) + max_new_tokens + 2 * drafter.block_size

@@ -15,7 +15,7 @@ from dflash_trt.config import check_drafter_matches_target
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import TARGET_BACKENDS, load_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import torch
 from dflash_trt.checkpoint.sharding import TPMapping
 from dflash_trt.errors import BackendUnavailableError, ConfigError, DFlashError
 from dflash_trt.runtime.tp import TPContext
-from dflash_trt.spec.decoder import DFlashEngine, Sequence, StepOutput
+from dflash_trt.speculative.decoder import DFlashEngine, Sequence, StepOutput
 
 log = logging.getLogger(__name__)
 

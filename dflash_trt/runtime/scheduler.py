@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_trt.errors import DFlashError, InputError
-from dflash_trt.spec.decoder import DFlashEngine, GenerationResult, Sequence
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, GenerationResult, Sequence
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

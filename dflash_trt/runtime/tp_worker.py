@@ -23,8 +23,8 @@ from pathlib import Path
 def run_case(session, case: dict, fail: tuple[int, int, str] | None) -> dict:
     from dflash_trt.checkpoint.sharding import TPMapping
     from dflash_trt.runtime.loader import ModelSpec
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     spec = ModelSpec(target=Path(case["target"]), drafter=Path(case["drafter"]) if case["drafter"] else None,
                      dtype=case["dtype"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import BackendUnavailableError, ConfigError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

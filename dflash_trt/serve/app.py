@@ -28,8 +28,8 @@ from dflash_trt.serve.config import ServerConfig
 from dflash_trt.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dflash_trt.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, _Request, bad_request,
                                       parse_body)
-from dflash_trt.spec.decoder import GenerationResult
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import GenerationResult
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, RequestHandle, TokenEvent
 from dflash_trt.serve.schemas import APIError
-from dflash_trt.spec.decoder import GenerationResult
+from dflash_trt.speculative.decoder import GenerationResult
 
 log = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request checks that its client is still there

@@ -19,7 +19,7 @@ from dflash_trt.runtime.scheduler import Scheduler, SchedulerConfig
 from dflash_trt.serve.app import ServerState, build_app
 from dflash_trt.serve.config import ServerConfig
 from dflash_trt.serve.metrics import ServerMetrics
-from dflash_trt.spec.decoder import DFlashEngine
+from dflash_trt.speculative.decoder import DFlashEngine
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from dflash_trt.checkpoint.hf import write_json, write_safetensors
 from dflash_trt.errors import CheckpointError, InputError
 from dflash_trt.models.transformer import TargetOutput
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig, Sequence
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig, Sequence
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import load_hf_config, load_native_target
 from dflash_trt.models.transformer import head_dim_of
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 from dflash_trt.train.features import make_batch
 from dflash_trt.train.loss import block_loss, cosine_schedule, default_gamma
 from dflash_trt.train.regen import Sample, data_key, regenerate

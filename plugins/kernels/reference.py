@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dflash_trt.models.layers import rms_norm, rope_cos_sin
-from dflash_trt.spec.verify import accept_prefix  # the one implementation of the acceptance rule
+from dflash_trt.speculative.verify import accept_prefix  # the one implementation of the acceptance rule
 
 from .contracts import (
     AcceptResult,

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dflash_trt.cli import main
-from dflash_trt.models.default import chat_prompt_ids
+from dflash_trt.models.smollm2 import chat_prompt_ids
 from dflash_trt.models.tiny import save_tiny_checkpoint
 from dflash_trt.runtime.loader import ModelSpec, load_models
 from dflash_trt.runtime.scheduler import FinalEvent, Scheduler, TokenEvent
-from dflash_trt.spec.decoder import EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 KEY = "sk-test"
 MODEL = "tiny-dflash"

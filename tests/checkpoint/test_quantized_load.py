@@ -10,8 +10,8 @@ from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
 from dflash_trt.quant.calibrate import calibrate_drafter, calibrate_target, calibration_prompts
 from dflash_trt.quant.linear import QuantLinear
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 # relative Frobenius error of a dequantized Gaussian-like weight (E4M3: 3 mantissa bits; E2M1 + block scales)
 BOUND = {"FP8": 0.04, "NVFP4": 0.15}

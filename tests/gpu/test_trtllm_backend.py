@@ -17,8 +17,8 @@ def test_trtllm_dflash_matches_torch_oracle(tmp_path):
     from dflash_trt.models.tiny import save_tiny_checkpoint
     from dflash_trt.runtime.loader import ModelSpec, load_models
     from dflash_trt.runtime.trtllm_engine import TrtllmEngine, TrtllmSpec
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     target, drafter = save_tiny_checkpoint(tmp_path, "llama", block_size=8, max_position_embeddings=512)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)

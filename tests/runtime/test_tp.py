@@ -23,8 +23,8 @@ pytest.importorskip("mpi4py", reason="tensor parallelism needs mpi4py + an MPI (
 from dflash_trt.checkpoint.sharding import TPMapping, write_tp_shards  # noqa: E402
 from dflash_trt.models.tiny import save_tiny_checkpoint  # noqa: E402
 from dflash_trt.runtime.loader import ModelSpec, load_models  # noqa: E402
-from dflash_trt.spec.decoder import EngineConfig  # noqa: E402
-from dflash_trt.spec.sampling import SamplingParams  # noqa: E402
+from dflash_trt.speculative.decoder import EngineConfig  # noqa: E402
+from dflash_trt.speculative.sampling import SamplingParams  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [3, 11, 12]]  # ragged batch of two

@@ -227,8 +227,8 @@ def test_concurrent_clients_all_complete(triton):
     import torch
 
     from dflash_trt.runtime.loader import ModelSpec, load_models
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     prompts = [f"client {i}: {'abc' * i}" for i in range(6)]
     models = load_models(ModelSpec(target=triton.target, drafter=triton.drafter, dtype="float64"))

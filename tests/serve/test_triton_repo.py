@@ -14,7 +14,7 @@ import yaml
 from dflash_trt import cli
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.serve.triton.protocol import FinalStats, TextStream, output_arrays, parse_request
-from dflash_trt.serve.triton.spec import TritonModelSpec
+from dflash_trt.serve.triton.settings import TritonModelSpec
 
 # TensorRT-LLM's llmapi Triton model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt):
 # name -> (data type, dims, optional) for the tensors we serve.

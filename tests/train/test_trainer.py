@@ -13,8 +13,8 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import load_native_target, native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, save_tiny_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 from dflash_trt.train.features import IGNORE, compute_features, make_batch
 from dflash_trt.train.loss import block_visibility, default_gamma, position_weights, train_forward
 from dflash_trt.train.regen import Sample, regenerate

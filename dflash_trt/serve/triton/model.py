@@ -25,8 +25,8 @@ from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.runtime.scheduler import QueueFullError
 from dflash_trt.serve.triton.protocol import FinalStats, TextStream, output_arrays, parse_request
 from dflash_trt.serve.triton.repo import YAML_PARAMETER
-from dflash_trt.serve.triton.sources import Chunk, Done, Failed, open_source
-from dflash_trt.serve.triton.spec import TritonModelSpec
+from dflash_trt.serve.triton.backends import Chunk, Done, Failed, open_source
+from dflash_trt.serve.triton.settings import TritonModelSpec
 
 POLL_S = 0.1  # how often a waiting worker checks whether its client cancelled
 JOIN_S = 10.0

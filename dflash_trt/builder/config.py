@@ -4,7 +4,7 @@ limits, backend, GPU) and is validated before any work starts.
 Static rules live here (they need only the YAML): parallel layout arithmetic, quantization the GPU
 can run, backend/architecture support. Rules that need the checkpoints on disk (drafter matches
 target, the YAML's architecture expectations match the real config.json) live in
-`dflash_trt.build.sources`, run when the paths exist.
+`dflash_trt.builder.sources`, run when the paths exist.
 
 GPU architectures (CUDA compute capability -> name): sm_80 A100 (Ampere: no FP8, no FP4),
 sm_89 L40S/RTX 4090 (Ada: FP8), sm_90 H100/H200 (Hopper: FP8, no FP4 tensor cores),

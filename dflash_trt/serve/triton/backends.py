@@ -24,8 +24,8 @@ from dflash_trt.errors import BackendUnavailableError, ConfigError
 from dflash_trt.runtime.loader import load_models, load_tokenizer
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, RequestHandle, Scheduler, TokenEvent
 from dflash_trt.serve.triton.protocol import FinalStats
-from dflash_trt.serve.triton.spec import TritonModelSpec
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.serve.triton.settings import TritonModelSpec
+from dflash_trt.speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ Event = Chunk | Done | Failed
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
-        from dflash_trt.models.default import chat_prompt_ids
+        from dflash_trt.models.smollm2 import chat_prompt_ids
 
         return chat_prompt_ids(tokenizer, prompt)
     return list(tokenizer.encode(prompt))

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_trt.build import trtllm
-from dflash_trt.build.config import GPU_ARCHS, BuildConfig
-from dflash_trt.build.sources import (
+from dflash_trt.builder import trtllm
+from dflash_trt.builder.config import GPU_ARCHS, BuildConfig
+from dflash_trt.builder.sources import (
     Sources,
     drafter_param_counts,
     estimated_bytes,

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.builder.config import BuildConfig
 from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.transformer import head_dim_of

@@ -14,7 +14,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from dflash_trt.build.config import BuildConfig
+from dflash_trt.builder.config import BuildConfig
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import BackendUnavailableError
 

@@ -13,10 +13,10 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_trt.build import trtllm
-from dflash_trt.build.config import config_to_dict
-from dflash_trt.build.plan import BuildPlan
-from dflash_trt.build.sources import json_digest
+from dflash_trt.builder import trtllm
+from dflash_trt.builder.config import config_to_dict
+from dflash_trt.builder.plan import BuildPlan
+from dflash_trt.builder.sources import json_digest
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.sampling import inverse_cdf
+from dflash_trt.speculative.sampling import inverse_cdf
 
 
 @dataclass(frozen=True)

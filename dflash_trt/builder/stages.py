@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash_trt.build import trtllm
-from dflash_trt.build.plan import BuildPlan
+from dflash_trt.builder import trtllm
+from dflash_trt.builder.plan import BuildPlan
 from dflash_trt.errors import BackendUnavailableError, CheckpointError
 
 log = logging.getLogger(__name__)

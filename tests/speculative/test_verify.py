@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.verify import accept_prefix, accept_rejection
+from dflash_trt.speculative.verify import accept_prefix, accept_rejection
 
 T = torch.tensor
 

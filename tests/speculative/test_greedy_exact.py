@@ -8,8 +8,8 @@ import torch
 from dflash_trt.errors import ConfigError, ContextLengthError, InputError
 from dflash_trt.models.target import HFTarget, native_from_hf
 from dflash_trt.models.tiny import TINY_ARCHS, build_tiny_drafter, build_tiny_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 NEW = 24
 PROMPTS = [[7, 9, 11, 200], list(range(20, 39))]  # the second is longer than gpt-oss's window (8)

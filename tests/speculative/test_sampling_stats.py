@@ -21,11 +21,11 @@ import torch
 
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.spec import decoder
+from dflash_trt.speculative import decoder
 from plugins.kernels import reference as kernel_reference
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams, inverse_cdf, processed_probs
-from dflash_trt.spec.verify import Acceptance, accept_prefix, accept_rejection
+from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, processed_probs
+from dflash_trt.speculative.verify import Acceptance, accept_prefix, accept_rejection
 
 VOCAB = 16
 PROMPT = [5, 9, 3, 11, 7, 1]

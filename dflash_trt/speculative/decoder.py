@@ -4,7 +4,7 @@ One step for the whole batch, as numbered in `DFlashEngine.step`:
   1. build each row's block [pending token, mask, ...] at its own absolute positions;
   2. ONE drafter forward for all rows (new context features + block) -> draft tokens;
   3. ONE target forward for all rows over the blocks -> logits and tapped hidden states;
-  4. acceptance per row (spec/verify.py): longest prefix equal to the target's choices + bonus;
+  4. acceptance per row (speculative/verify.py): longest prefix equal to the target's choices + bonus;
   5. commit: emit tokens with stop checks, crop both caches to each row's committed length,
      keep the accepted positions' taps as the drafter's next context.
 With the drafter disabled (`spec=False`) the same loop is plain autoregressive decoding on the
@@ -23,8 +23,8 @@ import torch
 from dflash_trt.config import check_drafter_matches_target
 from dflash_trt.errors import ConfigError, ContextLengthError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.spec.sampling import SamplingParams, inverse_cdf, new_generator, processed_probs
-from dflash_trt.spec.verify import accept_rejection
+from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, new_generator, processed_probs
+from dflash_trt.speculative.verify import accept_rejection
 from plugins.kernels import accept_tokens
 
 log = logging.getLogger(__name__)
@@ -298,8 +298,8 @@ class DFlashEngine:
 
     def _accept(self, block, start, logits, draft_probs, seqs):
         """Greedy / exact-sampling rows go through the batched acceptance kernel (Triton on CUDA,
-        its torch reference, spec.verify.accept_prefix, elsewhere); rejection-mode rows through
-        spec.verify.accept_rejection."""
+        its torch reference, speculative.verify.accept_prefix, elsewhere); rejection-mode rows through
+        speculative.verify.accept_rejection."""
         n, k = block.shape[0], block.shape[1] - 1
         lens = torch.full((n,), k, dtype=torch.long, device=self.device)
         if draft_probs is None:

@@ -29,7 +29,7 @@ from dflash_trt.config import describe_validation_error, load_yaml_file
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.loader import ModelSpec
 from dflash_trt.runtime.scheduler import SchedulerConfig
-from dflash_trt.spec.decoder import EngineConfig
+from dflash_trt.speculative.decoder import EngineConfig
 
 MODEL_YAML = "model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -100,7 +100,7 @@ class TritonModelSpec(_Strict):
         self.engine_config()  # EngineConfig's own cross-field checks
 
     def to_yaml(self) -> str:
-        header = "# dflash-trt Triton model spec (see dflash_trt/serve/triton/spec.py)\n"
+        header = "# dflash-trt Triton model spec (see dflash_trt/serve/triton/settings.py)\n"
         return header + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     @classmethod

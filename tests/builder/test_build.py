@@ -17,9 +17,9 @@ import pytest
 import torch
 import yaml
 
-from dflash_trt.build.builder import BuildOptions, build
-from dflash_trt.spec.decoder import EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.builder.builder import BuildOptions, build
+from dflash_trt.speculative.decoder import EngineConfig
+from dflash_trt.speculative.sampling import SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
 DFLASH = [sys.executable, "-m", "dflash_trt.cli"]
@@ -39,7 +39,7 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
 
 
 def _greedy(target, drafter, prompt: list[int], spec: bool, n: int = 12) -> list[int]:
-    from dflash_trt.spec.decoder import DFlashEngine
+    from dflash_trt.speculative.decoder import DFlashEngine
 
     engine = DFlashEngine(target, drafter if spec else None, EngineConfig(max_batch_size=1, max_seq_len=128, spec=spec))
     return engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].tokens
@@ -163,8 +163,8 @@ def _free_port() -> int:
 def test_cpu_default_build_is_served(tmp_path):
     """cpu-default.yaml (embedded SmolLM2; a random stand-in drafter when the shipped one is absent)
     builds, and `dflash-trt serve` on the output answers with the target's greedy continuation."""
-    from dflash_trt.build.sources import SHIPPED_DRAFTER
-    from dflash_trt.models.default import default_cache_dir, ensure_default_target
+    from dflash_trt.builder.sources import SHIPPED_DRAFTER
+    from dflash_trt.models.smollm2 import default_cache_dir, ensure_default_target
     from dflash_trt.models.target import load_hf_config, load_native_target
     from dflash_trt.models.tiny import build_tiny_drafter
 
