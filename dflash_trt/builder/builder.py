@@ -165,7 +165,7 @@ def _run_cached_stages(plan: BuildPlan, cache: _Cache, keys: dict, options: Buil
 
 def _assemble(plan: BuildPlan, dirs: dict[str, Path], results: list[StageResult], fps: dict,
               options: BuildOptions) -> list[StageResult]:
-    from dflash_trt.checkpoint.hf import atomic_directory  # here: hf imports torch, a dry run does not need it
+    from dflash_trt.fileio import atomic_directory  # here: hf imports torch, a dry run does not need it
 
     with atomic_directory(plan.out) as tmp:
         for name, src in dirs.items():

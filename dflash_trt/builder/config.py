@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash_trt.config import describe_validation_error, load_yaml_file
+from dflash_trt.config import load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
 
 GPU_ARCHS: dict[str, tuple[str, frozenset[str]]] = {
@@ -45,7 +45,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class TargetSpec(_Strict):
+class TargetSection(_Strict):
     """The target checkpoint and what the YAML expects it to be. The expectations let a dry run
     size the build without the weights, and are checked against config.json when it exists."""
 
@@ -62,12 +62,12 @@ class TargetSpec(_Strict):
     quantization: TargetQuant = "none"
 
 
-class DrafterSpec(_Strict):
+class DrafterSection(_Strict):
     path: str = Field(min_length=1, description="DFlash drafter directory, or @shipped")
     quantization: DrafterQuant = "none"
 
 
-class ParallelSpec(_Strict):
+class ParallelSection(_Strict):
     tp: int = Field(default=1, ge=1, le=64)
     ep: int = Field(default=1, ge=1, le=64, description="MoE expert parallel size; MoE TP is tp / ep")
     pp: int = Field(default=1, ge=1, le=16)
@@ -76,7 +76,7 @@ class ParallelSpec(_Strict):
     nodes: int = Field(default=1, ge=1)
 
 
-class ServeSpec(_Strict):
+class ServeSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     free_gpu_memory_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
@@ -88,12 +88,12 @@ class ServeSpec(_Strict):
 
 class BuildConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
-    target: TargetSpec
-    drafter: DrafterSpec
+    target: TargetSection
+    drafter: DrafterSection
     backend: Backend
     gpu_arch: GpuArch
     kv_cache_dtype: KvDtype = "auto"
-    parallel: ParallelSpec = ParallelSpec()
+    parallel: ParallelSection = ParallelSection()
     max_batch_size: int = Field(ge=1, le=4096)
     max_seq_len: int = Field(ge=16)
     max_num_tokens: int | None = Field(default=None, ge=16)
@@ -101,7 +101,7 @@ class BuildConfig(_Strict):
     moe_backend: MoeBackend | None = None
     cuda_graph_batch_sizes: list[int] = Field(default_factory=list)
     calibration_samples: int = Field(default=16, ge=1, le=4096)
-    serve: ServeSpec = ServeSpec()
+    serve: ServeSection = ServeSection()
 
     @model_validator(mode="after")
     def _check(self) -> "BuildConfig":
@@ -194,15 +194,7 @@ def check_static(cfg: BuildConfig) -> None:
 
 
 def parse_build_config(raw: object, where: str = "build config") -> BuildConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
-    try:
-        return BuildConfig.model_validate(raw)
-    except ValidationError as exc:
-        cause = exc.errors()[0].get("ctx", {}).get("error") if exc.errors() else None
-        if isinstance(cause, ConfigError):
-            raise ConfigError(f"{where}: {cause}") from None
-        raise ConfigError(describe_validation_error(exc, where, heading="invalid build config: ")) from None
+    return validate_model(BuildConfig, raw, where, heading="invalid build config: ")
 
 
 def load_build_config(path: Path) -> BuildConfig:

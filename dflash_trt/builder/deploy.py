@@ -74,26 +74,26 @@ def write_launch(plan: BuildPlan, tmp: Path) -> dict:
     return {"commands": commands, "slurm_scripts": copied}
 
 
-def triton_spec(plan: BuildPlan):
-    """The Triton model spec (dflash_trt.serve.triton.settings) for the built directory."""
-    from dflash_trt.serve.triton.settings import TritonModelSpec
+def triton_settings(plan: BuildPlan):
+    """The Triton model settings (dflash_trt.serve.triton.settings) for the built directory."""
+    from dflash_trt.serve.triton.settings import TritonSettings
 
     cfg = plan.config
     engine = {"block_size": cfg.max_draft_len + 1, "max_batch_size": cfg.max_batch_size,
-              "max_seq_len": cfg.max_seq_len, "spec": True, "acceptance": "exact"}
+              "max_seq_len": cfg.max_seq_len, "speculative": True, "acceptance": "exact"}
     raw = {"model_name": cfg.serve.triton_model_name, "backend": "torch" if cfg.backend == "torch" else "trtllm",
            "target": str(plan.out / "target"), "drafter": str(plan.out / "drafter"),
            "dtype": "float32" if cfg.gpu_arch == "cpu" else "bfloat16", "engine": engine}
     if cfg.backend != "torch":
         raw["trtllm_llm_args"] = trtllm.llm_api_options(cfg, plan.out / "drafter", plan.sources.drafter_config)
-    return TritonModelSpec.from_dict(raw, where="build triton spec")
+    return TritonSettings.from_dict(raw, where="build triton settings")
 
 
 def write_triton(plan: BuildPlan, tmp: Path) -> dict:
     """triton/: the model repository, written by the Triton module's repository writer."""
     from dflash_trt.serve.triton.repo import write_repository
 
-    spec = triton_spec(plan)
-    write_repository(spec, tmp / TRITON_REPO_DIR)
-    return {"status": "written", "model_name": spec.model_name, "backend": spec.backend,
+    settings = triton_settings(plan)
+    write_repository(settings, tmp / TRITON_REPO_DIR)
+    return {"status": "written", "model_name": settings.model_name, "backend": settings.backend,
             "start": f"dflash-trt triton-serve {plan.out / TRITON_REPO_DIR}"}

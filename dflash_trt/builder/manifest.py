@@ -31,23 +31,23 @@ def _version(dist: str) -> str | None:
 
 def hidden_state_exposure(plan: BuildPlan) -> dict:
     """How the target's tapped hidden states reach the drafter on this backend."""
-    taps = list(plan.sources.drafter_config.target_layer_ids)
+    layer_ids = list(plan.sources.drafter_config.target_layer_ids)
     backend = plan.config.backend
     if backend == "trtllm-pytorch":
         how = ("TensorRT-LLM's DFlash mode (speculative_config.decoding_type DFlash) captures the outputs of "
                "target_layer_ids inside the target forward and feeds the drafter in-process; nothing is exported")
-        return {"backend": backend, "target_layer_ids": taps, "mechanism": how, "outputs": []}
+        return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how, "outputs": []}
     if backend == "trtllm-engine":
         how = (f"the custom TensorRT-LLM model class {trtllm.MODEL_CLASS_NAME} (trtllm-build --model_cls_file "
                f"engine/{trtllm.MODEL_CLASS_FILE} --model_cls_name {trtllm.MODEL_CLASS_NAME}) marks each tapped "
                "decoder layer's output as an engine output; read per request with OutputConfig("
                "additional_model_outputs=[AdditionalModelOutput(name, gather_context=True)]); drafts go back "
                "through ExternalDraftTokensConfig (--speculative_decoding_mode draft_tokens_external)")
-        return {"backend": backend, "target_layer_ids": taps, "mechanism": how,
-                "outputs": [f"dflash_hidden_{t}" for t in taps]}
+        return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how,
+                "outputs": [f"dflash_hidden_{t}" for t in layer_ids]}
     how = ("dflash_trt's torch target adapter returns the concatenated outputs of the tapped decoder layers "
            "(HF hidden_states[id + 1]) with every target forward")
-    return {"backend": backend, "target_layer_ids": taps, "mechanism": how, "outputs": []}
+    return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how, "outputs": []}
 
 
 def build_manifest(plan: BuildPlan, fingerprints: dict, stages: list[dict], launch: dict, extra: dict) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.builder.config import BuildConfig
-from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target
+from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target, check_target_layer_ids
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.transformer import head_dim_of
 
@@ -57,13 +57,6 @@ def resolve_path(text: str, default_target: Path | None, base: Path) -> Path:
     return (path if path.is_absolute() else base / path).resolve()
 
 
-def target_info(config) -> TargetInfo:
-    eos = config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    return TargetInfo(config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size,
-                      config.max_position_embeddings, eos_ids)
-
-
 def _real_dims(config) -> dict[str, int | str]:
     heads = config.num_attention_heads
     head_dim = head_dim_of(config)
@@ -98,15 +91,12 @@ def check_against_real(cfg: BuildConfig, src: Sources) -> None:
                               f"and {d.num_target_layers} layers, the build config's target has "
                               f"{cfg.target.hidden_size} and {cfg.target.num_hidden_layers}: use the drafter "
                               "trained for this target")
-        bad = [t for t in d.target_layer_ids if not 0 <= t < cfg.target.num_hidden_layers]
-        if bad:
-            raise ConfigError(f"drafter target_layer_ids {bad} are outside the target's "
-                              f"{cfg.target.num_hidden_layers} layers")
+        check_target_layer_ids(d.target_layer_ids, cfg.target.num_hidden_layers, f"drafter {src.drafter_path}")
         if not 0 <= d.mask_token_id < cfg.target.vocab_size:
             raise ConfigError(f"drafter mask_token_id {d.mask_token_id} is outside the target vocabulary "
                               f"({cfg.target.vocab_size})")
     if src.target_config is not None and src.drafter_config is not None:
-        check_drafter_matches_target(src.drafter_config, target_info(src.target_config))
+        check_drafter_matches_target(src.drafter_config, TargetInfo.from_hf_config(src.target_config))
 
 
 def load_sources(cfg: BuildConfig, base: Path, default_target: Path | None, require: bool) -> Sources:
@@ -150,12 +140,12 @@ def drafter_param_counts(cfg: BuildConfig, drafter: DrafterConfig | None) -> tup
     t = cfg.target
     if drafter is not None:
         h, i, layers = drafter.hidden_size, drafter.intermediate_size, drafter.num_hidden_layers
-        q, kv, taps = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim, drafter.num_taps
+        q, kv, n_ids = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim, drafter.num_target_layer_ids
     else:
         h, i, layers = t.hidden_size, t.intermediate_size, ASSUMED_DRAFTER_LAYERS
-        q, kv, taps = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, ASSUMED_DRAFTER_LAYERS
+        q, kv, n_ids = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, ASSUMED_DRAFTER_LAYERS
     linear = layers * (h * (2 * q + 2 * kv) + 3 * h * i)
-    return linear, taps * h * h + (2 * layers + 2) * h
+    return linear, n_ids * h * h + (2 * layers + 2) * h
 
 
 def estimated_bytes(linear: int, other: int, fmt: str, high_precision_bytes: float) -> int:

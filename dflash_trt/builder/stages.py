@@ -45,13 +45,13 @@ def link_tree(src: Path, dst: Path, progress: bool, what: str) -> str:
 
 
 def _tokenizer(directory: Path):
-    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.runtime.factory import load_tokenizer
 
     return load_tokenizer(directory)
 
 
 def _calibration_prompts(plan: BuildPlan, tokenizer, vocab_size: int) -> list[list[int]]:
-    from dflash_trt.quant.calibrate import calibration_prompts
+    from dflash_trt.builder.calibration import calibration_prompts
 
     return calibration_prompts(plan.config.calibration_samples, tokenizer=tokenizer, vocab_size=vocab_size)
 
@@ -69,7 +69,7 @@ def run_target(plan: BuildPlan, out: Path, progress: bool) -> dict:
     if fmt == "none":
         return {"format": "hf", "quantization": None, "written_by": link_tree(src, out, progress, "target")}
     from dflash_trt.checkpoint.modelopt_hf import write_target
-    from dflash_trt.quant.calibrate import calibrate_target
+    from dflash_trt.builder.calibration import calibrate_target
 
     model = _native_target(src)
     tokenizer = _tokenizer(src)
@@ -84,7 +84,7 @@ def run_target(plan: BuildPlan, out: Path, progress: bool) -> dict:
 
 
 def _saved_calibration(stage_dir: Path):
-    from dflash_trt.quant.calibrate import Calibration
+    from dflash_trt.builder.calibration import Calibration
 
     raw = json.loads((stage_dir / CALIBRATION).read_text())
     return Calibration(raw["input_amax"], raw["method"], raw["num_prompts"], raw["num_tokens"])
@@ -97,7 +97,7 @@ def run_drafter(plan: BuildPlan, out: Path, progress: bool) -> dict:
         return {"format": "dflash", "quantization": None, "written_by": link_tree(src, out, progress, "drafter")}
     from dflash_trt.checkpoint.modelopt_hf import write_drafter
     from dflash_trt.models.drafter import DFlashDrafter
-    from dflash_trt.quant.calibrate import calibrate_drafter
+    from dflash_trt.builder.calibration import calibrate_drafter
 
     target = _native_target(plan.sources.target_path)
     drafter = DFlashDrafter.from_pretrained(src)
@@ -123,9 +123,10 @@ def run_shard(plan: BuildPlan, target_dir: Path, out: Path, progress: bool) -> d
     out.rmdir()  # the checkpoint writers rename their own temporary directory into place
     with tqdm(total=1, desc=f"shard tp{p.tp}", disable=not progress, leave=False) as bar:
         if cfg.backend == "torch" and cfg.target.quantization == "none":
-            from dflash_trt.checkpoint.sharding import TPMapping, write_tp_shards
+            from dflash_trt.checkpoint.mapping import Mapping
+            from dflash_trt.checkpoint.sharding import write_tp_shards
 
-            write_tp_shards(target_dir, out, TPMapping(p.tp, moe_tp_size=p.tp // ep))
+            write_tp_shards(target_dir, out, Mapping.for_sizes(p.tp, ep))
             fmt = "hf-tp-shards"
         else:
             from dflash_trt.checkpoint.trtllm_legacy import write_checkpoint
@@ -143,9 +144,9 @@ def run_shard(plan: BuildPlan, target_dir: Path, out: Path, progress: bool) -> d
 def run_engine(plan: BuildPlan, shards_dir: Path, out: Path, progress: bool) -> dict:
     """engine/: trtllm-build of the legacy checkpoint with the tapped hidden states as outputs."""
     version = trtllm.engine_preflight(plan.config)
-    taps = plan.sources.drafter_config.target_layer_ids
+    layer_ids = plan.sources.drafter_config.target_layer_ids
     cls_file = out / trtllm.MODEL_CLASS_FILE
-    cls_file.write_text(trtllm.model_class_source(plan.config, taps))
+    cls_file.write_text(trtllm.model_class_source(plan.config, layer_ids))
     argv = trtllm.trtllm_build_argv(plan.config, shards_dir, out, cls_file)
     log.info("running %s", trtllm.shell_line(argv))
     proc = subprocess.run(argv, check=False)
@@ -153,4 +154,4 @@ def run_engine(plan: BuildPlan, shards_dir: Path, out: Path, progress: bool) -> 
         raise BackendUnavailableError(f"trtllm-build failed with exit code {proc.returncode}: "
                                       f"{trtllm.shell_line(argv)}")
     return {"tensorrt_llm": version, "command": trtllm.shell_line(argv),
-            "hidden_state_outputs": [f"dflash_hidden_{t}" for t in taps]}
+            "hidden_state_outputs": [f"dflash_hidden_{t}" for t in layer_ids]}

@@ -20,11 +20,12 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.errors import BackendUnavailableError, CheckpointError, InputError
+from dflash_trt.errors import BackendUnavailableError, CheckpointError
+from dflash_trt.prompts import chat_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -220,25 +221,3 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
     else:
         logger.info(message)
-
-
-def chat_prompt_ids(tokenizer: Any, user_text: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt, ending with the assistant header.
-
-    With `system=None` the tokenizer's template decides (SmolLM2 inserts its default system turn).
-    """
-    if not isinstance(user_text, str) or not user_text.strip():
-        raise InputError("the user prompt is empty; pass some text")
-    messages: list[dict[str, str]] = []
-    if system is not None:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": user_text})
-    return chat_ids(tokenizer, messages)
-
-
-def chat_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation rendered with the tokenizer's chat template + assistant header."""
-    if tokenizer.chat_template is None:
-        raise CheckpointError("the tokenizer has no chat template; use a chat/instruct model")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -6,8 +6,8 @@ One step for the whole batch, as numbered in `DFlashEngine.step`:
   3. ONE target forward for all rows over the blocks -> logits and tapped hidden states;
   4. acceptance per row (speculative/verify.py): longest prefix equal to the target's choices + bonus;
   5. commit: emit tokens with stop checks, crop both caches to each row's committed length,
-     keep the accepted positions' taps as the drafter's next context.
-With the drafter disabled (`spec=False`) the same loop is plain autoregressive decoding on the
+     keep the accepted positions' target hidden states as the drafter's next context.
+With the drafter disabled (`speculative=False`) the same loop is plain autoregressive decoding on the
 same target engine (block of one token), the fair baseline.
 Rows join (prefill) and leave (finish or cancel) between steps; caches stay compact.
 """
@@ -15,119 +15,34 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
 
 import torch
 
 from dflash_trt.config import check_drafter_matches_target
-from dflash_trt.errors import ConfigError, ContextLengthError, InputError
+from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat, Target,
+                               check_request, run_to_completion)
+from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, new_generator, processed_probs
-from dflash_trt.speculative.verify import accept_rejection
-from plugins.kernels import accept_tokens
+from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
+from dflash_trt.speculative.verify import accept_rejection, accept_tokens
 
 log = logging.getLogger(__name__)
 
-ACCEPTANCE_MODES = ("exact", "rejection")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int | None = None  # None = the drafter's; 1 or spec=False = autoregressive
-    max_batch_size: int = 8
-    max_seq_len: int = 2048  # prompt + generated tokens per sequence
-    spec: bool = True
-    acceptance: str = "exact"  # "exact" (one-hot q) or "rejection" (drafter's soft q)
-
-    def __post_init__(self) -> None:
-        if self.block_size is not None and not 1 <= self.block_size <= 64:
-            raise ConfigError(f"block_size must be in [1, 64], got {self.block_size}")
-        if self.max_batch_size < 1:
-            raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_seq_len < 2:
-            raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.acceptance not in ACCEPTANCE_MODES:
-            raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
-
-
-@dataclass(frozen=True)
-class StepStat:
-    draft_tokens: int  # drafts verified this step (block_size - 1; 0 when autoregressive)
-    accepted: int  # drafts accepted (0..draft_tokens); the step commits accepted + 1 tokens
-
-
-@dataclass
-class Sequence:
-    """Mutable per-request decode state."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    generator: torch.Generator
-    row: int = -1
-    tokens: list[int] = field(default_factory=list)  # emitted tokens
-    start: int = 0  # position of `pending` == committed target cache length
-    pending: int = -1  # last emitted token, not yet in the target cache (block slot 0)
-    ctx_taps: torch.Tensor | None = None  # [n, n_taps * H] drafter context not yet cached
-    ctx_pos: int = 0  # position of ctx_taps[0] == drafter cache length
-    steps: list[StepStat] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
-    created_s: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-    finished_s: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    request_id: str
-    prompt_tokens: int
-    tokens: list[int]
-    finish_reason: str
-    steps: tuple[StepStat, ...]
-    time_to_first_token_s: float
-    total_s: float
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """tau: tokens committed per target verification step (accepted drafts + bonus)."""
-        if not self.steps:
-            return 1.0
-        return sum(s.accepted + 1 for s in self.steps) / len(self.steps)
-
-    def per_position_acceptance(self, draft_tokens: int) -> list[float]:
-        """Fraction of steps whose draft i (0-based) was accepted, for i < draft_tokens."""
-        if not self.steps:
-            return [0.0] * draft_tokens
-        return [sum(s.accepted > i for s in self.steps) / len(self.steps) for i in range(draft_tokens)]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.total_s if self.total_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    sequence: Sequence
-    new_tokens: list[int]
-
 
 class DFlashEngine:
-    def __init__(self, target, drafter: DFlashDrafter | None, config: EngineConfig = EngineConfig(),
+    """The torch backend's `Engine` (dflash_trt/engine.py) over a `Target` and a DFlash drafter."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig = EngineConfig(),
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.target, self.drafter, self.config = target, drafter, config
         self.info = target.info
-        self.spec = config.spec and drafter is not None and config.block_size != 1
-        if config.spec and drafter is None and config.block_size not in (None, 1):
-            raise ConfigError("speculative decoding needs a drafter (or run with spec=False)")
+        self.speculative = config.speculative and drafter is not None and config.block_size != 1
+        if config.speculative and drafter is None and config.block_size not in (None, 1):
+            raise ConfigError("speculative decoding needs a drafter (or run with speculative=False)")
         if drafter is not None:
             check_drafter_matches_target(drafter.cfg, self.info)
-        self.block_size = (config.block_size or drafter.block_size) if self.spec else 1
+        self.block_size = (config.block_size or drafter.block_size) if self.speculative else 1
         if config.max_seq_len > self.info.max_position_embeddings:
             raise ConfigError(
                 f"max_seq_len {config.max_seq_len} exceeds the target's context "
@@ -137,38 +52,18 @@ class DFlashEngine:
         self.device = target.device
         capacity = config.max_seq_len + self.block_size
         self.tcache = target.new_cache(config.max_batch_size, capacity)
-        self.dcache = drafter.new_cache(config.max_batch_size, capacity) if self.spec else None
+        self.dcache = drafter.new_cache(config.max_batch_size, capacity) if self.speculative else None
         self.active: list[Sequence] = []
         self._ids = 0
 
     # ---- admission ------------------------------------------------------------------------
     def make_sequence(self, prompt: Seq[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Validate a request and resolve its limits (does not schedule it)."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise InputError("the prompt is empty: give at least one token")
-        vocab = self.info.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if params.stop and self.detokenize is None:
-            raise InputError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        room = self.config.max_seq_len - len(prompt)
-        if room < 1:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.config.max_seq_len} "
-                "(prompt + generated): shorten the prompt or raise max_seq_len"
-            )
-        if params.max_new_tokens is not None and params.max_new_tokens > room:
-            raise ContextLengthError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context of {self.config.max_seq_len} tokens: lower max_new_tokens to at most {room}"
-            )
+        prompt, max_new = check_request(prompt, params, self.info.vocab_size, self.config.max_seq_len,
+                                        self.detokenize is not None)
         self._ids += 1
-        return Sequence(
-            request_id=request_id or f"req-{self._ids}", prompt=prompt, params=params,
-            max_new_tokens=params.max_new_tokens or room, generator=new_generator(params.seed),
-        )
+        return Sequence(request_id=request_id or f"req-{self._ids}", prompt=prompt, params=params,
+                        max_new_tokens=max_new, generator=new_generator(params.seed))
 
     @property
     def free_rows(self) -> int:
@@ -194,16 +89,16 @@ class DFlashEngine:
             pos[i, : len(s.prompt)] = torch.arange(len(s.prompt))
         ids, pos, lens = ids.to(self.device), pos.to(self.device), lens.to(self.device)
         row_slice = slice(rows.start, rows.stop)
-        taps = self.drafter.cfg.target_layer_ids if self.spec else ()
-        out = self.target.forward(self.tcache, row_slice, ids, pos, taps, logit_index=(lens - 1)[:, None])
+        layer_ids = self.drafter.cfg.target_layer_ids if self.speculative else ()
+        out = self.target.forward(self.tcache, row_slice, ids, pos, layer_ids, logit_index=(lens - 1)[:, None])
         self.tcache.crop(lens, row_slice)
         first = self._choose(out.logits, seqs)[:, 0].tolist()  # [B]
         outputs = []
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             s.start, s.pending, s.first_token_s = len(s.prompt), first[i], now
-            if self.spec:
-                s.ctx_taps, s.ctx_pos = out.taps[i, : len(s.prompt)], 0
+            if self.speculative:
+                s.ctx_hidden, s.ctx_pos = out.target_hidden[i, : len(s.prompt)], 0
             self.active.append(s)
             outputs.append(StepOutput(s, self._emit(s, [first[i]])))
         self._retire()
@@ -220,19 +115,19 @@ class DFlashEngine:
         # 1. blocks at each row's positions
         start = torch.tensor([s.start for s in seqs])  # [B]
         block_pos = start[:, None] + torch.arange(t)[None, :]  # [B, T]
-        mask_id = self.drafter.mask_token_id if self.spec else 0
+        mask_id = self.drafter.mask_token_id if self.speculative else 0
         block = torch.full((n, t), mask_id, dtype=torch.long)
         block[:, 0] = torch.tensor([s.pending for s in seqs])
         start, block_pos, block = start.to(self.device), block_pos.to(self.device), block.to(self.device)
         draft_probs = None
         # 2. one drafter forward
-        if self.spec:
+        if self.speculative:
             hidden = self._draft_forward(seqs, block, block_pos, rows)
             draft_logits = self.target.head(hidden[:, 1:])  # [B, K, V]
             block[:, 1:], draft_probs = self._propose(draft_logits, seqs)
         # 3. one target forward
-        taps = self.drafter.cfg.target_layer_ids if self.spec else ()
-        out = self.target.forward(self.tcache, rows, block, block_pos, taps)
+        layer_ids = self.drafter.cfg.target_layer_ids if self.speculative else ()
+        out = self.target.forward(self.tcache, rows, block, block_pos, layer_ids)
         # 4. acceptance
         accepted, bonus = self._accept(block, start, out.logits, draft_probs, seqs)
         # 5. commit
@@ -242,8 +137,8 @@ class DFlashEngine:
         for i, s in enumerate(seqs):
             a = accepted_l[i]
             s.steps.append(StepStat(draft_tokens=t - 1, accepted=a))
-            if self.spec:
-                s.ctx_taps, s.ctx_pos = out.taps[i, : a + 1], s.start
+            if self.speculative:
+                s.ctx_hidden, s.ctx_pos = out.target_hidden[i, : a + 1], s.start
             s.start += a + 1
             s.pending = bonus_l[i]
             outputs.append(StepOutput(s, self._emit(s, block_l[i][1 : a + 1] + [s.pending])))
@@ -251,13 +146,13 @@ class DFlashEngine:
         return outputs
 
     def _draft_forward(self, seqs, block, block_pos, rows) -> torch.Tensor:
-        width = max(s.ctx_taps.shape[0] for s in seqs)
-        feat = seqs[0].ctx_taps.shape[-1]
-        ctx = torch.zeros(len(seqs), width, feat, dtype=seqs[0].ctx_taps.dtype, device=self.device)
+        width = max(s.ctx_hidden.shape[0] for s in seqs)
+        feat = seqs[0].ctx_hidden.shape[-1]
+        ctx = torch.zeros(len(seqs), width, feat, dtype=seqs[0].ctx_hidden.dtype, device=self.device)
         slots = torch.full((len(seqs), width), self.dcache.dead_slot, dtype=torch.long)
         for i, s in enumerate(seqs):
-            c = s.ctx_taps.shape[0]
-            ctx[i, :c] = s.ctx_taps
+            c = s.ctx_hidden.shape[0]
+            ctx[i, :c] = s.ctx_hidden
             slots[i, :c] = torch.arange(s.ctx_pos, s.ctx_pos + c)
         hidden = self.drafter(self.dcache, rows, ctx, slots.to(self.device), self.target.embed(block), block_pos)
         self.dcache.crop(block_pos[:, 0].clone())  # keep context only: block K/V are dropped
@@ -378,26 +273,7 @@ class DFlashEngine:
     # ---- convenience: run requests to completion ---------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
                  progress: Callable[[int], None] | None = None) -> list[GenerationResult]:
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise InputError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        waiting = [self.make_sequence(p, sp) for p, sp in zip(prompts, plist)]
-        everything = list(waiting)
-        while waiting or self.active:
-            if waiting and self.free_rows:
-                batch, waiting = waiting[: self.free_rows], waiting[self.free_rows:]
-                self.add(batch)
-            else:
-                outs = self.step()
-                if progress is not None:
-                    progress(sum(len(o.new_tokens) for o in outs))
-        return [self.result(s) for s in everything]
+        return run_to_completion(self, prompts, params, progress)
 
-    @staticmethod
-    def result(s: Sequence) -> GenerationResult:
-        assert s.finished and s.first_token_s is not None and s.finished_s is not None
-        return GenerationResult(
-            request_id=s.request_id, prompt_tokens=len(s.prompt), tokens=list(s.tokens),
-            finish_reason=s.finish_reason, steps=tuple(s.steps),
-            time_to_first_token_s=s.first_token_s - s.created_s, total_s=s.finished_s - s.created_s,
-        )
+    def shutdown(self) -> None:
+        """Nothing to release: the caches go with the engine."""

@@ -1,4 +1,4 @@
-"""Sampling parameters and the pure functions that turn logits into token draws.
+"""The pure functions that turn logits into token draws (the parameters: engine.SamplingParams).
 
 Randomness is explicit: callers draw uniforms from each request's own seeded generator and pass
 them in, so every function here is deterministic and testable with hand-built inputs, and a
@@ -7,49 +7,7 @@ Tokens are drawn by inverse-CDF sampling in float64.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
-
-from dflash_trt.errors import InputError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None
-    max_new_tokens: int | None = None  # None = until EOS or the context is full
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer)
-    ignore_eos: bool = False
-    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.max_new_tokens is not None and (
-            not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1
-        ):
-            raise InputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InputError(f"seed must be an integer, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InputError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InputError(f"stop strings must be non-empty strings, got {self.stop!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def new_generator(seed: int | None) -> torch.Generator:

@@ -1,4 +1,5 @@
-"""Acceptance math for DFlash verification: pure tensor functions, no model inside.
+"""Acceptance math for DFlash verification: pure tensor functions, no model inside, and the
+dispatch of the batched acceptance kernel (`accept_tokens`: Triton on CUDA, `accept_prefix` here).
 
 Glossary (DFlash paper, arXiv 2602.06036, and Leviathan et al. 2023, arXiv 2211.17192):
 - block_size (T): slots drafted per step. Slot 0 holds the last committed token (the previous
@@ -22,6 +23,7 @@ import torch
 
 from dflash_trt.errors import InputError
 from dflash_trt.speculative.sampling import inverse_cdf
+from plugins.kernels import AcceptResult, check_accept_inputs, use_triton
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,37 @@ def accept_prefix(draft: torch.Tensor, target_tokens: torch.Tensor, draft_lens: 
     accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
     bonus = target_tokens.gather(1, accepted[:, None]).squeeze(1)
     return Acceptance(accepted=accepted, bonus=bonus)
+
+
+def accept_tokens_ref(
+    draft_tokens: torch.Tensor,  # [batch, K] int64: proposals for block slots 1..K
+    target_tokens: torch.Tensor,  # [batch, K + 1] int64: target's token at slots 0..K
+    draft_lens: torch.Tensor,  # [batch] int64: valid drafts per row, 0..K
+    start_pos: torch.Tensor,  # [batch] int64: position of block slot 0
+) -> AcceptResult:
+    """The acceptance kernel's torch reference: accept_prefix plus the next block's position."""
+    check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
+    acc = accept_prefix(draft_tokens, target_tokens, draft_lens)
+    return AcceptResult(accepted=acc.accepted, bonus=acc.bonus, new_pos=start_pos + acc.accepted + 1)
+
+
+def accept_tokens(
+    draft_tokens: torch.Tensor,  # [batch, K] int64
+    target_tokens: torch.Tensor,  # [batch, K + 1] int64
+    draft_lens: torch.Tensor,  # [batch] int64
+    start_pos: torch.Tensor,  # [batch] int64
+    *,
+    force_triton: bool = False,
+) -> AcceptResult:
+    """Batched greedy / exact-sampling acceptance: the Triton kernel (plugins/kernels/triton_accept.py)
+    on CUDA or when forced, `accept_tokens_ref` otherwise (plugins.kernels.use_triton decides and
+    logs the path once). Inputs are validated before either path runs."""
+    check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
+    if not use_triton("accept_tokens", draft_tokens.device, force_triton):
+        return accept_tokens_ref(draft_tokens, target_tokens, draft_lens, start_pos)
+    from plugins.kernels.triton_accept import launch_accept
+
+    return launch_accept(draft_tokens, target_tokens, draft_lens, start_pos)
 
 
 def accept_rejection(

@@ -18,8 +18,7 @@ import torch
 import yaml
 
 from dflash_trt.builder.builder import BuildOptions, build
-from dflash_trt.speculative.decoder import EngineConfig
-from dflash_trt.speculative.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
 DFLASH = [sys.executable, "-m", "dflash_trt.cli"]
@@ -41,7 +40,7 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
 def _greedy(target, drafter, prompt: list[int], spec: bool, n: int = 12) -> list[int]:
     from dflash_trt.speculative.decoder import DFlashEngine
 
-    engine = DFlashEngine(target, drafter if spec else None, EngineConfig(max_batch_size=1, max_seq_len=128, spec=spec))
+    engine = DFlashEngine(target, drafter if spec else None, EngineConfig(max_batch_size=1, max_seq_len=128, speculative=spec))
     return engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].tokens
 
 
@@ -194,7 +193,7 @@ def test_cpu_default_build_is_served(tmp_path):
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
-    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.runtime.factory import load_tokenizer
 
     tok = load_tokenizer(smol)
     expected = _greedy(load_native_target(smol), None, tok.encode(prompt), spec=False, n=8)

@@ -179,18 +179,17 @@ def test_shipped_drafter_serves_the_default_target_losslessly(converted):
     """The committed drafter (dflash_trt/assets) is a standard DFlash checkpoint for this target,
     under the size budget, and DFlash greedy output on a chat prompt equals plain decoding."""
     from dflash_trt.commands.common import SHIPPED_DRAFTER
-    from dflash_trt.models.smollm2 import chat_prompt_ids
-    from dflash_trt.runtime.loader import ModelSpec, load_models
-    from dflash_trt.speculative.decoder import EngineConfig
-    from dflash_trt.speculative.sampling import SamplingParams
+    from dflash_trt.prompts import chat_prompt_ids
+    from dflash_trt.runtime.factory import LoadConfig, load_torch
+    from dflash_trt.engine import EngineConfig, SamplingParams
 
     assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size < 25e6
     assert (SHIPPED_DRAFTER / "MODEL_CARD.md").is_file() and (SHIPPED_DRAFTER / "training_config.yaml").is_file()
     _, path = converted
-    models = load_models(ModelSpec(target=path, drafter=SHIPPED_DRAFTER))  # checks drafter vs target
+    models = load_torch(LoadConfig(target=path, drafter=SHIPPED_DRAFTER))  # checks drafter vs target
     ids = chat_prompt_ids(models.tokenizer, "Write a Python function that reverses a list.")
     params = SamplingParams(max_new_tokens=24)
     spec = models.engine(EngineConfig(max_seq_len=512, max_batch_size=1)).generate([ids], params)[0]
-    plain = models.engine(EngineConfig(max_seq_len=512, max_batch_size=1, spec=False)).generate([ids], params)[0]
+    plain = models.engine(EngineConfig(max_seq_len=512, max_batch_size=1, speculative=False)).generate([ids], params)[0]
     assert spec.tokens == plain.tokens and len(spec.tokens) > 0
     assert 1.0 <= spec.mean_acceptance_length <= models.drafter.block_size

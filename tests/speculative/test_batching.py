@@ -21,8 +21,8 @@ import torch
 
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
-from dflash_trt.speculative.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 
 VOCAB = 64
 MAX_SEQ = 96
@@ -62,7 +62,7 @@ def _prompts() -> list[list[int]]:
 
 def _autoregressive(target, prompt: list[int], params: SamplingParams) -> list[int]:
     """The unbatched reference: plain autoregressive decoding, one sequence alone."""
-    engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=MAX_SEQ))
+    engine = DFlashEngine(target, None, EngineConfig(speculative=False, max_batch_size=1, max_seq_len=MAX_SEQ))
     return engine.generate([prompt], params)[0].tokens
 
 
@@ -140,7 +140,7 @@ def test_greedy_batched_equals_unbatched(case, spec):
         case.target, case.drafter, case.prompts, case.params, case.stopped, case.refs)
     assert len({len(r) for r in refs}) > 3, "rows should finish at different steps"
     assert len(refs[stopped]) < MAX_NEW[stopped] and refs[stopped][-1] in params[stopped].stop_token_ids
-    engine = DFlashEngine(target, drafter if spec else None, EngineConfig(spec=spec, max_batch_size=3, max_seq_len=MAX_SEQ))
+    engine = DFlashEngine(target, drafter if spec else None, EngineConfig(speculative=spec, max_batch_size=3, max_seq_len=MAX_SEQ))
     results = engine.generate(prompts, params)
     _check_rows(results, refs)
     assert engine.tcache.num_rows == 0 and not engine.active
@@ -160,13 +160,13 @@ def test_greedy_oracle_drafts_ragged_acceptance(case):
             engine.add([waiting.pop(0)])
         else:
             engine.step()
-    _check_rows([engine.result(s) for s in seqs], refs)
+    _check_rows([s.result() for s in seqs], refs)
     for s in seqs:  # the engine accepted exactly the true prefix of every row's drafts
         assert [st.accepted for st in s.steps] == engine.expected_by_seq.get(id(s), [])
     seen = {a for step in engine.expected for a in step}
     assert seen == set(range(k + 1)), f"every acceptance length 0..{k} should occur, saw {seen}"
     assert any(len(set(step)) > 1 for step in engine.expected), "rows of one step should accept differently"
-    assert max(engine.result(s).mean_acceptance_length for s in seqs) > 1.5
+    assert max(s.result().mean_acceptance_length for s in seqs) > 1.5
 
 
 def test_until_the_context_is_full(case):
@@ -176,7 +176,7 @@ def test_until_the_context_is_full(case):
     prompts = case.prompts[2:5]  # 1, 9 and 13 tokens
     params = SamplingParams(ignore_eos=True)
     max_seq = 30
-    ref_engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=max_seq))
+    ref_engine = DFlashEngine(target, None, EngineConfig(speculative=False, max_batch_size=1, max_seq_len=max_seq))
     refs = [ref_engine.generate([p], params)[0].tokens for p in prompts]
     assert [len(r) for r in refs] == [max_seq - len(p) for p in prompts]
     truth = {tuple(p): r + [0] * 8 for p, r in zip(prompts, refs)}  # drafts past the context: anything
@@ -213,7 +213,7 @@ def test_throughput_helper_runs_both_modes_interleaved(case):
 
     def factory(spec: bool, batch: int) -> DFlashEngine:
         return DFlashEngine(case.target, case.drafter if spec else None,
-                            EngineConfig(spec=spec, max_batch_size=batch, max_seq_len=MAX_SEQ))
+                            EngineConfig(speculative=spec, max_batch_size=batch, max_seq_len=MAX_SEQ))
 
     report = measure(factory, case.prompts[:3], [1, 3], SamplingParams(max_new_tokens=6, ignore_eos=True), rounds=2)
     assert [r.batch_size for r in report.rows] == [1, 3]

@@ -8,8 +8,8 @@ import torch
 from dflash_trt.errors import ConfigError, ContextLengthError, InputError
 from dflash_trt.models.target import HFTarget, native_from_hf
 from dflash_trt.models.tiny import TINY_ARCHS, build_tiny_drafter, build_tiny_target
-from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
-from dflash_trt.speculative.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 
 NEW = 24
 PROMPTS = [[7, 9, 11, 200], list(range(20, 39))]  # the second is longer than gpt-oss's window (8)
@@ -32,7 +32,7 @@ CASES = [(2, 1, [2]), (4, 2, [0, 3]), (8, 1, [1, 3, 5]), (16, 3, [5]), (5, 2, [1
 @pytest.mark.parametrize("block,layers,taps", CASES)
 def test_dflash_equals_target_greedy(arch_models, block, layers, taps):
     hf, native, ref = arch_models
-    drafter = build_tiny_drafter(hf.config, seed=block, dtype=torch.float64, num_layers=layers, taps=taps,
+    drafter = build_tiny_drafter(hf.config, seed=block, dtype=torch.float64, num_layers=layers, target_layer_ids=taps,
                                  block_size=block)
     engine = DFlashEngine(native, drafter, EngineConfig(max_seq_len=128, max_batch_size=2))
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
@@ -48,7 +48,7 @@ def test_smaller_block_than_trained_and_autoregressive_baseline(arch_models):
     run = DFlashEngine(native, drafter, EngineConfig(block_size=8, max_seq_len=128, max_batch_size=2))
     assert run.block_size == 8
     assert [r.tokens for r in run.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))] == ref
-    ar = DFlashEngine(native, None, EngineConfig(spec=False, max_seq_len=128))
+    ar = DFlashEngine(native, None, EngineConfig(speculative=False, max_seq_len=128))
     results = ar.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [r.tokens for r in results] == ref
     assert all(s.draft_tokens == 0 and s.accepted == 0 for r in results for s in r.steps)
@@ -69,7 +69,7 @@ def test_drafts_match_upstream_reference_step_by_step(arch_models):
 
     hf, native, _ = arch_models
     block = 6
-    drafter = build_tiny_drafter(hf.config, seed=5, dtype=torch.float64, num_layers=2, taps=[1, 4], block_size=block)
+    drafter = build_tiny_drafter(hf.config, seed=5, dtype=torch.float64, num_layers=2, target_layer_ids=[1, 4], block_size=block)
     fields = {k: v for k, v in drafter.cfg.raw.items() if k != "architectures"}
     ref_model = upstream.DFlashDraftModel(Qwen3Config(**fields)).to(torch.float64).eval()
     ref_model.load_state_dict(drafter.state_dict(), strict=True)

@@ -11,8 +11,9 @@ import torch
 from dflash_trt.errors import ContextLengthError, InputError
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
-from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, processed_probs
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
+from dflash_trt.speculative.sampling import inverse_cdf, processed_probs
 from dflash_trt.speculative.verify import accept_prefix, accept_rejection
 
 VOCAB = 32

@@ -21,10 +21,10 @@ import torch
 
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.speculative import decoder
-from plugins.kernels import reference as kernel_reference
-from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
-from dflash_trt.speculative.sampling import SamplingParams, inverse_cdf, processed_probs
+from dflash_trt.speculative import decoder, verify
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
+from dflash_trt.speculative.sampling import inverse_cdf, processed_probs
 from dflash_trt.speculative.verify import Acceptance, accept_prefix, accept_rejection
 
 VOCAB = 16
@@ -185,8 +185,8 @@ def _ignore_q(draft, draft_probs, target_probs, draft_lens, accept_uniforms, res
 
 
 @pytest.mark.parametrize("acceptance,module,name,broken", [
-    # the engine reaches accept_prefix through the acceptance kernel's CPU reference
-    ("exact", kernel_reference, "accept_prefix", _accept_first_always),
+    # the engine reaches accept_prefix through the acceptance kernel's CPU reference (accept_tokens_ref)
+    ("exact", verify, "accept_prefix", _accept_first_always),
     ("rejection", decoder, "accept_rejection", _ignore_q),
 ])
 def test_broken_acceptance_fails_chi_square(models, monkeypatch, acceptance, module, name, broken):

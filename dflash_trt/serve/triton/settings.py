@@ -1,4 +1,4 @@
-"""The Triton model's spec: `model.yaml` next to `model.py` in the model repository.
+"""The Triton model's settings: `model.yaml` next to `model.py` in the model repository.
 
 `dflash-trt triton-repo` writes it (resolved: absolute paths, every field explicit); the Python
 backend model reads it in `initialize()`. The same schema is accepted by `triton-repo --config`,
@@ -13,9 +13,9 @@ where relative paths are taken from the YAML file's folder.
     chat: false               # wrap text_input in the tokenizer's chat template
     default_max_tokens: 128   # when a request has no sampling_param_max_tokens
     torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
-    engine: {block_size: null, max_batch_size: 8, max_seq_len: 2048, spec: true, acceptance: exact}
+    engine: {block_size: null, max_batch_size: 8, max_seq_len: 2048, speculative: true, acceptance: exact}
     scheduler: {max_queue: 256, token_budget: 4096}
-    trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only)
+    trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
 """
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.config import describe_validation_error, load_yaml_file
+from dflash_trt.config import load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
-from dflash_trt.runtime.loader import ModelSpec
+from dflash_trt.runtime.factory import LoadConfig
 from dflash_trt.runtime.scheduler import SchedulerConfig
-from dflash_trt.speculative.decoder import EngineConfig
+from dflash_trt.engine import EngineConfig
 
 MODEL_YAML = "model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -43,7 +43,7 @@ class EngineSection(_Strict):
     block_size: int | None = Field(default=None, ge=1, le=64)
     max_batch_size: int = Field(default=8, ge=1)
     max_seq_len: int = Field(default=2048, ge=2)
-    spec: bool = True
+    speculative: bool = True
     acceptance: Literal["exact", "rejection"] = "exact"
 
 
@@ -52,7 +52,7 @@ class SchedulerSection(_Strict):
     token_budget: int = Field(default=4096, ge=1)
 
 
-class TritonModelSpec(_Strict):
+class TritonSettings(_Strict):
     model_name: str = Field(default="dflash", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
     backend: Literal["torch", "trtllm"] = "torch"
     target: str = Field(min_length=1)
@@ -67,9 +67,9 @@ class TritonModelSpec(_Strict):
     trtllm_llm_args: dict[str, Any] = Field(default_factory=dict)
 
     # ---- views the runtime uses ---------------------------------------------------------------
-    def model_spec(self) -> ModelSpec:
-        drafter = Path(self.drafter) if self.drafter is not None and self.engine.spec else None
-        return ModelSpec(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype)
+    def load_config(self) -> LoadConfig:
+        drafter = Path(self.drafter) if self.drafter is not None and self.engine.speculative else None
+        return LoadConfig(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(**self.engine.model_dump())
@@ -77,8 +77,18 @@ class TritonModelSpec(_Strict):
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.scheduler.model_dump())
 
+    def trtllm_options(self):
+        """runtime.trtllm.TrtllmOptions for backend trtllm (None for torch, which takes no LLM arguments)."""
+        if self.backend != "trtllm":
+            if self.trtllm_llm_args:
+                raise ConfigError("trtllm_llm_args is set but backend is torch: remove it or set backend: trtllm")
+            return None
+        from dflash_trt.runtime.factory import TrtllmOptions
+
+        return TrtllmOptions(llm_args=dict(self.trtllm_llm_args))
+
     # ---- checks and I/O -------------------------------------------------------------------------
-    def resolved(self, base: Path) -> "TritonModelSpec":
+    def resolved(self, base: Path) -> "TritonSettings":
         """Paths made absolute (relative ones are taken from `base`)."""
         def absolute(p: str | None) -> str | None:
             return None if p is None else str((base / Path(p).expanduser()).resolve())
@@ -93,25 +103,20 @@ class TritonModelSpec(_Strict):
         if not any((target / name).is_file() for name in TOKENIZER_FILES):
             raise ConfigError(f"target {target} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
                               "the Triton model takes text, so the target directory needs its tokenizer")
-        if self.engine.spec and self.drafter is None:
-            raise ConfigError("engine.spec is true but no drafter is given: set drafter or engine.spec: false")
+        if self.engine.speculative and self.drafter is None:
+            raise ConfigError("engine.speculative is true but no drafter is given: set drafter or engine.speculative: false")
         if self.drafter is not None and not (Path(self.drafter) / "config.json").is_file():
             raise ConfigError(f"drafter directory {self.drafter} has no config.json")
         self.engine_config()  # EngineConfig's own cross-field checks
 
     def to_yaml(self) -> str:
-        header = "# dflash-trt Triton model spec (see dflash_trt/serve/triton/settings.py)\n"
+        header = "# dflash-trt Triton model settings (see dflash_trt/serve/triton/settings.py)\n"
         return header + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     @classmethod
-    def from_dict(cls, raw: Any, where: str) -> "TritonModelSpec":
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a mapping at the top level, got {type(raw).__name__}")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, where)) from exc
+    def from_dict(cls, raw: Any, where: str) -> "TritonSettings":
+        return validate_model(cls, raw, where)
 
     @classmethod
-    def load(cls, path: Path) -> "TritonModelSpec":
-        return cls.from_dict(load_yaml_file(path, "model spec"), str(Path(path)))
+    def load(cls, path: Path) -> "TritonSettings":
+        return cls.from_dict(load_yaml_file(path, "model settings"), str(Path(path)))

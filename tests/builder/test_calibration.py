@@ -7,7 +7,7 @@ import torch
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_target, build_tiny_tokenizer
-from dflash_trt.quant.calibrate import calibrate_target, calibration_prompts, collect_input_amax
+from dflash_trt.builder.calibration import calibrate_target, calibration_prompts, collect_input_amax
 
 
 def test_hook_amax_is_the_max_abs_input():
@@ -42,7 +42,7 @@ def test_text_prompts_come_from_the_stdlib_not_the_benchmarks():
     prompts = calibration_prompts(3, tokenizer=tok)
     texts = [tok.decode(p) for p in prompts]
     assert len(prompts) == 3 and all("<|im_start|>user" in t for t in texts)
-    from dflash_trt.train.data import stdlib_prompts
+    from dflash_trt.prompts import stdlib_prompts
 
     first = stdlib_prompts(0, limit=1)[0].text
     assert first[:40] in texts[0]

@@ -1,4 +1,4 @@
-"""Calibration: the absolute maximum of every linear layer's input over offline prompts.
+"""Calibration (a build step): the absolute maximum of every linear layer's input over offline prompts.
 
 Two routes, giving the same statistic (the per-tensor max |x| that ModelOpt's max calibrator
 records as `input_quantizer.amax`):
@@ -9,7 +9,8 @@ records as `input_quantizer.amax`):
 - `calibrate_target` / `calibrate_drafter`: our own forward hooks on the native target (any
   architecture, gpt-oss included) and on the DFlash drafter while the DFlash loop drafts.
 Calibration prompts must not come from the evaluation sets (MT-Bench, HumanEval): real targets are
-calibrated on the standard-library prompts of `dflash_trt.train.data`, tiny ones on seeded ids.
+calibrated on the standard-library prompts of `dflash_trt.prompts`, tiny ones on seeded ids.
+The numerics that use the statistic (FP8 / NVFP4 scales) are in dflash_trt/quant/.
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.errors import BackendUnavailableError, ConfigError, InputError
+from dflash_trt.prompts import chat_prompt_ids, stdlib_prompts
 from dflash_trt.quant.algo import QuantAlgo, parse_quant_algo
+from dflash_trt.runtime.factory import torch_engine
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ def calibration_prompts(count: int, *, tokenizer=None, vocab_size: int | None = 
                         length: int = 32) -> list[list[int]]:
     """`count` calibration prompts as token ids.
 
-    With a tokenizer: standard-library instruction prompts (dflash_trt.train.data), chat-formatted,
+    With a tokenizer: standard-library instruction prompts (dflash_trt.prompts), chat-formatted,
     never MT-Bench/HumanEval. Without one (tiny random models): seeded random ids of `length`.
     """
     if count < 1:
@@ -88,9 +92,6 @@ def calibration_prompts(count: int, *, tokenizer=None, vocab_size: int | None = 
             raise ConfigError("calibration without a tokenizer needs the vocabulary size")
         gen = torch.Generator().manual_seed(seed)
         return [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for _ in range(count)]
-    from dflash_trt.models.smollm2 import chat_prompt_ids
-    from dflash_trt.train.data import stdlib_prompts
-
     prompts = stdlib_prompts(seed, limit=count)
     if len(prompts) < count:
         raise ConfigError(f"only {len(prompts)} offline calibration prompts are available, {count} asked")
@@ -115,12 +116,9 @@ def calibrate_target(target, prompts: Sequence[Sequence[int]]) -> Calibration:
 
 def calibrate_drafter(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32) -> Calibration:
     """Input amax of every nn.Linear of a DFlash drafter while it drafts greedily for `target`."""
-    from dflash_trt.speculative.decoder import DFlashEngine, EngineConfig
-    from dflash_trt.speculative.sampling import SamplingParams
-
     prompts = _require_prompts(prompts)
     longest = max(map(len, prompts)) + max_new_tokens + 2 * drafter.block_size
-    engine = DFlashEngine(target, drafter, EngineConfig(max_batch_size=1, max_seq_len=longest))
+    engine = torch_engine(target, drafter, EngineConfig(max_batch_size=1, max_seq_len=longest))
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
 
     def run() -> None:

@@ -1,7 +1,9 @@
-"""Read and write Hugging Face safetensors checkpoints (single file or sharded with an index).
+"""File helpers for checkpoints (floor 0): safetensors reads and atomic writes, and THE strict
+state-dict check every loader runs (native target, drafter, quantized checkpoints, TP shards).
 
-Writes are atomic: files go to a temporary sibling directory that is renamed into place, so an
-interrupted save never leaves a half-written checkpoint.
+Hugging Face checkpoints are one `model.safetensors` or shards listed in
+`model.safetensors.index.json`. Writes are atomic: files go to a temporary sibling (file or
+directory) that is renamed into place, so an interrupted save never leaves a half-written checkpoint.
 """
 from __future__ import annotations
 
@@ -23,30 +25,34 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF checkpoint directory (model.safetensors or an indexed set of shards)."""
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a HF checkpoint directory (indexed shards, one file, or every
+    *.safetensors except pre-sharded rank{N} files)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     index = directory / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
-        files = sorted(set(weight_map.values()))
     elif (directory / SINGLE_NAME).is_file():
-        files = [SINGLE_NAME]
+        names = [SINGLE_NAME]
     else:
-        found = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not found:
-            raise CheckpointError(f"no safetensors weights in {directory} (expected {SINGLE_NAME} or {INDEX_NAME})")
-        files = found
+        names = sorted(p.name for p in directory.glob("*.safetensors") if not p.name.startswith("rank"))
+    if not names:
+        raise CheckpointError(f"no safetensors weights in {directory} (expected {SINGLE_NAME} or {INDEX_NAME})")
+    missing = [n for n in names if not (directory / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory}: weight files {missing} are missing")
+    return [directory / n for n in names]
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint directory (model.safetensors or an indexed set of shards)."""
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{directory}: index names {name}, which is missing")
+    for path in weight_files(directory):
         try:
             part = load_file(str(path))
         except (SafetensorError, OSError) as exc:
@@ -56,6 +62,28 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: tensors {sorted(dup)[:3]} appear in more than one shard")
         tensors.update(part)
     return tensors
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return f"{names[:n]}{'...' if len(names) > n else ''}"
+
+
+def check_state_dict(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str,
+                     *, exact_dtypes: bool = False) -> None:
+    """The tensors read from disk match the model's: same names, same shapes and, with
+    exact_dtypes, the same dtype for every non-float tensor (quantized codes and scales).
+    CheckpointError names what is missing, unexpected or mis-shaped (`where` says which checkpoint)."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where} does not match the model: missing {_few(missing)}, unexpected {_few(extra)}")
+    for name, tensor in state.items():
+        want = expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                                  f"{tuple(want.shape)}")
+        if exact_dtypes and tensor.dtype != want.dtype and not want.is_floating_point():
+            raise CheckpointError(f"{where}: tensor {name} has dtype {tensor.dtype}, expected {want.dtype}")
 
 
 @contextmanager
