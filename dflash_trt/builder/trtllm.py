@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash_trt.builder.config import BuildConfig
 from dflash_trt.config import DrafterConfig
 from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.runtime.trtllm import speculative_config  # THE builder of the mapping (adapter, Triton use it too)
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def llm_api_options(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig)
         "max_seq_len": cfg.max_seq_len,
     }
     if cfg.backend == "torch":
-        opts["speculative_config"] = _spec_config(cfg, drafter_dir, drafter)
+        opts["speculative_config"] = speculative_config(drafter_dir, drafter, cfg.max_draft_len)
         return opts
     opts["pipeline_parallel_size"] = p.pp
     if cfg.max_num_tokens is not None:
@@ -55,14 +56,8 @@ def llm_api_options(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig)
             opts["cuda_graph_config"] = {"batch_sizes": sorted(cfg.cuda_graph_batch_sizes), "enable_padding": True}
         if cfg.moe_backend is not None:
             opts["moe_config"] = {"backend": cfg.moe_backend}
-        opts["speculative_config"] = _spec_config(cfg, drafter_dir, drafter)
+        opts["speculative_config"] = speculative_config(drafter_dir, drafter, cfg.max_draft_len)
     return opts
-
-
-def _spec_config(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig) -> dict:
-    return {"decoding_type": "DFlash", "max_draft_len": cfg.max_draft_len,
-            "speculative_model": str(drafter_dir), "mask_token_id": drafter.mask_token_id,
-            "target_layer_ids": list(drafter.target_layer_ids)}
 
 
 def serve_argv(cfg: BuildConfig, out: Path) -> list[str]:
