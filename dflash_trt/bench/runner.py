@@ -202,6 +202,7 @@ def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int,
                     del inflight[key]
                     bar.update(1)
     point = sweep_point(mode, c, timings, time.perf_counter() - t0)
+    engine.shutdown()  # the trtllm backend's engine owns a tensorrt_llm.LLM
     if mode == "ar":
         point["tau"], point["per_position_acceptance"] = 1.0, []
     return point, outputs

@@ -1,9 +1,9 @@
 """`dflash-trt bench`: acceptance, speed and Pareto curves, side by side with peers.
 
-Batch 1: every mode (dflash, ar on our engine; hf-generate, hf-prompt-lookup, dflash-reference
+Batch 1: every mode (dflash, ar on the --backend engine, torch by default; hf-generate, hf-prompt-lookup, dflash-reference
 on the same target where installed) decodes every prompt greedily, interleaved prompt by prompt
 with the mode order rotated; outputs must be token-identical (a mismatch is an error and the
-command exits 1). Then a concurrency sweep of dflash and ar on our engine (continuous batching,
+command exits 1). Then a concurrency sweep of dflash and ar on that engine (continuous batching,
 c requests in flight). With --endpoint the sweep runs against a running OpenAI-compatible server
 instead (ours, trtllm-serve, vLLM) and no model is loaded here.
 Writes DIR/report.json, DIR/report.md, DIR/pareto.png and DIR/acceptance.png.

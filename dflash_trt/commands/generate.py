@@ -1,5 +1,7 @@
 """`dflash-trt generate`: decode one prompt with DFlash (or autoregressively with --no-spec).
 
+--backend torch (default: this project's engine) or trtllm (TensorRT-LLM's LLM API; a CUDA GPU and
+tensorrt_llm, else one error line and exit 2) picks the engine behind the same contract.
 With --json it prints one object: tokens, text (when a tokenizer exists), steps
 [{draft_tokens, accepted}], mean_acceptance_length, tokens_per_s, finish_reason, prompt_tokens.
 """

@@ -10,7 +10,8 @@ served. `--config` takes the YAML that `trtllm-serve --config` takes, e.g.
   max_seq_len: 4096
 Values from the file apply as if given as flags (max_draft_len N -> --block-size N+1,
 speculative_model -> --drafter, use_rejection_sampling -> --acceptance rejection); a flag given
-explicitly with a different value is an error. Endpoints: /v1/models, /v1/completions,
+explicitly with a different value is an error. --backend trtllm serves TensorRT-LLM's engine behind the
+same server (the file's TensorRT-LLM runtime keys go to it). Endpoints: /v1/models, /v1/completions,
 /v1/chat/completions, /health, /metrics. Binds to loopback unless --host says otherwise.
 """
 from __future__ import annotations
