@@ -263,6 +263,15 @@ def check_request(prompt: Seq[int], params: SamplingParams, vocab_size: int, max
     return prompt, params.max_new_tokens or room
 
 
+def stamp_finished(active: list[Sequence]) -> list[Sequence]:
+    """The finished sequences among `active`, with their finish time set (engines retire these)."""
+    now = time.perf_counter()
+    done = [s for s in active if s.finished]
+    for s in done:
+        s.finished_s = now
+    return done
+
+
 def run_to_completion(engine: Engine, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                       progress: Callable[[int], None] | None = None) -> list[GenerationResult]:
     """Admit prompts as rows free up and step until all are done; results in prompt order.
@@ -284,4 +293,5 @@ def run_to_completion(engine: Engine, prompts: Seq[Seq[int]], params: SamplingPa
 
 
 __all__ = ["ACCEPTANCE_MODES", "Cache", "Engine", "EngineConfig", "FinishReason", "GenerationResult", "Sequence",
-           "SamplingParams", "StepOutput", "StepStat", "Target", "TargetOutput", "check_request", "run_to_completion"]
+           "SamplingParams", "StepOutput", "StepStat", "Target", "TargetOutput", "check_request", "run_to_completion",
+           "stamp_finished"]

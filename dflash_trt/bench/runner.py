@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import queue
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -183,11 +182,7 @@ def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int,
             inflight[id(handle)] = (handle, bp, [])
         sched.run_once()
         for key, (handle, bp, chunks) in list(inflight.items()):
-            while True:
-                try:
-                    ev = handle.events.get_nowait()
-                except queue.Empty:
-                    break
+            for ev in handle.drain():
                 if isinstance(ev, TokenEvent) and ev.tokens:
                     chunks.append(ev.time_s)
                 elif isinstance(ev, ErrorEvent):

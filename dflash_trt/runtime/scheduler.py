@@ -73,6 +73,15 @@ class RequestHandle:
     def get(self, timeout: float | None = None):
         return self.events.get(timeout=timeout)
 
+    def drain(self) -> list[TokenEvent | FinalEvent | ErrorEvent]:
+        """Every event queued so far, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out
+
 
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()) -> None:

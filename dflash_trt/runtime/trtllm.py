@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Sequence as Seq
 
 from dflash_trt.config import DrafterConfig, TargetInfo
 from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat,
-                               check_request, run_to_completion)
+                               check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, InputError
 from dflash_trt.runtime.factory import LoadConfig, TrtllmOptions, load_tokenizer
 
@@ -236,10 +236,7 @@ class TrtllmEngine:
         self._retire()
 
     def _retire(self) -> None:
-        now = time.perf_counter()
-        for s in [s for s in self.active if s.finished]:
-            s.finished_s = now
-            s.first_token_s = s.first_token_s or now
+        for s in stamp_finished(self.active):
             del self._results[id(s)]
         self.active = [s for s in self.active if not s.finished]
 

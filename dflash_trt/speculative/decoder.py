@@ -21,7 +21,7 @@ import torch
 
 from dflash_trt.config import check_drafter_matches_target
 from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat, Target,
-                               check_request, run_to_completion)
+                               check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
@@ -256,9 +256,7 @@ class DFlashEngine:
         self._retire()
 
     def _retire(self) -> None:
-        now = time.perf_counter()
-        for s in [s for s in self.active if s.finished]:
-            s.finished_s = now
+        for s in stamp_finished(self.active):
             row = s.row  # its index in self.active (list.index would compare dataclass fields)
             moved = self.tcache.remove_row(row)
             if self.dcache is not None:

@@ -4,7 +4,6 @@ project's CI (tests/runtime/test_backends.py runs the same contract against a st
 from __future__ import annotations
 
 import importlib.util
-import queue
 
 import pytest
 import torch
@@ -36,12 +35,7 @@ def test_trtllm_dflash_matches_torch_oracle(tmp_path):
         handle = scheduler.submit(prompt, params)
         for _ in range(64):
             scheduler.run_once()
-        events = []
-        while True:
-            try:
-                events.append(handle.get(timeout=0))
-            except queue.Empty:
-                break
+        events = handle.drain()
         assert isinstance(events[-1], FinalEvent) and events[-1].result.tokens == expected
     finally:
         engine.shutdown()
