@@ -33,22 +33,22 @@ from typing import Any, Callable, ClassVar, Sequence as Seq
 from dflash_trt.config import DrafterConfig, TargetInfo
 from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat,
                                check_request, run_to_completion, stamp_finished)
-from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, InputError
+from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, DFlashError, InputError
 from dflash_trt.runtime.factory import LoadConfig, TrtllmOptions, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 DECODING_TYPE = "DFlash"
 ATTENTION_BACKENDS = ("VANILLA", "TRTLLM", "FA4")  # DFlashDecodingConfig.attention_backend
-TRTLLM_FINISH = ("stop", "length", "cancelled")
+TRTLLM_FINISH = ("stop", "length", "timeout", "cancelled")  # CompletionOutput.finish_reason; passed through
 
 
 def speculative_config(drafter_dir: Path, drafter: DrafterConfig, max_draft_len: int, *,
                        use_rejection_sampling: bool = False, attention_backend: str | None = None) -> dict:
     """THE `speculative_config` mapping TensorRT-LLM reads (LLM API, trtllm-serve --config YAML).
 
-    mask_token_id and target_layer_ids are the drafter's own (they are trained in); optional keys
-    are written only when they differ from TensorRT-LLM's defaults."""
+    mask_token_id and target_layer_ids are the drafter's own (they are trained in); the optional
+    keys are written only when asked for (TensorRT-LLM's defaults apply otherwise)."""
     if not 1 <= max_draft_len <= 63:
         raise ConfigError(f"max_draft_len must be in [1, 63], got {max_draft_len}")
     cfg = {"decoding_type": DECODING_TYPE, "max_draft_len": max_draft_len, "speculative_model": str(drafter_dir),
@@ -222,10 +222,10 @@ class TrtllmEngine:
         elif new:
             s.steps.append(StepStat(draft_tokens=self.block_size - 1, accepted=len(new) - 1))
         if result.finished:
-            reason = str(out.finish_reason)
-            if reason not in TRTLLM_FINISH:
-                raise BackendUnavailableError(f"TensorRT-LLM ended request {s.request_id} with '{reason}'")
-            s.finish_reason = reason
+            if out.finish_reason not in TRTLLM_FINISH:
+                raise DFlashError(f"TensorRT-LLM finished request {s.request_id} without a known finish reason "
+                                  f"({out.finish_reason!r}; expected one of {TRTLLM_FINISH})")
+            s.finish_reason = out.finish_reason
         return new
 
     def cancel(self, s: Sequence) -> None:
