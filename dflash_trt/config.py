@@ -14,29 +14,40 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from dflash_trt.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
+    from pydantic import BaseModel, ValidationError
+
+    M = TypeVar("M", bound=BaseModel)
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Evenly spaced taps from layer 1 to layer N-3 (the DFlash paper's choice; Qwen3-8B with five
-    taps gives [1, 9, 17, 25, 33]). One tap takes the middle layer."""
-    if num_target_layers < 1 or num_taps < 1:
-        raise ConfigError(f"need >= 1 target layer and >= 1 tap, got {num_target_layers}, {num_taps}")
-    if num_taps == 1:
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` layer ids evenly spaced from layer 1 to layer N-3 (the DFlash paper's choice; Qwen3-8B
+    with five gives [1, 9, 17, 25, 33]). One takes the middle layer."""
+    if num_target_layers < 1 or count < 1:
+        raise ConfigError(f"need >= 1 target layer and >= 1 target layer id, got {num_target_layers}, {count}")
+    if count == 1:
         return [num_target_layers // 2]
     start, end = 1, max(num_target_layers - 3, 1)
     span = end - start
-    return [round(start + i * span / (num_taps - 1)) for i in range(num_taps)]
+    return [round(start + i * span / (count - 1)) for i in range(count)]
+
+
+def check_target_layer_ids(layer_ids: tuple[int, ...] | list[int], num_target_layers: int, where: str) -> None:
+    """THE range check: every target layer id within the target's layers (0-based)."""
+    bad = [t for t in layer_ids if not 0 <= t < num_target_layers]
+    if bad:
+        raise ConfigError(f"{where}: target_layer_ids {list(layer_ids)} has {bad} outside the target's "
+                          f"{num_target_layers} layers (valid: 0..{num_target_layers - 1}): use the drafter trained "
+                          "for this target, or fix its dflash_config")
 
 
 def _require(raw: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -86,7 +97,7 @@ class DrafterConfig:
     raw: dict[str, Any] = field(repr=False, compare=False, hash=False)
 
     @property
-    def num_taps(self) -> int:
+    def num_target_layer_ids(self) -> int:
         return len(self.target_layer_ids)
 
     @classmethod
@@ -105,11 +116,11 @@ class DrafterConfig:
         layers = _require(raw, "num_hidden_layers", int, where)
         head_dim = _optional(raw, "head_dim", int, hidden // max(heads, 1), where)
         n_target = _require(raw, "num_target_layers", int, where)
-        taps = dflash.get("target_layer_ids")  # optional in the format: default taps otherwise
-        if taps is None:
-            taps = default_target_layer_ids(n_target, layers)
-        if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
-            raise ConfigError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of ints, got {taps!r}")
+        layer_ids = dflash.get("target_layer_ids")  # optional in the format: default taps otherwise
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(n_target, layers)
+        if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in layer_ids):
+            raise ConfigError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of ints, got {layer_ids!r}")
         if "mask_token_id" not in dflash:
             raise ConfigError(f"{where}: dflash_config.mask_token_id is required")
         mask_id = dflash["mask_token_id"]
@@ -137,7 +148,7 @@ class DrafterConfig:
             block_size=_require(raw, "block_size", int, where),
             num_target_layers=n_target,
             mask_token_id=mask_id,
-            target_layer_ids=tuple(taps),
+            target_layer_ids=tuple(layer_ids),
             layer_types=tuple(layer_types),
             sliding_window=window,
             is_causal=_optional(raw, "is_causal", bool, None, where),
@@ -168,12 +179,7 @@ class DrafterConfig:
             raise ConfigError(f"{where}: attention_bias is true, but DFlash drafters have no attention biases")
         if self.head_dim % 2:
             raise ConfigError(f"{where}: head_dim must be even for RoPE, got {self.head_dim}")
-        bad = [t for t in self.target_layer_ids if not 0 <= t < self.num_target_layers]
-        if bad:
-            raise ConfigError(
-                f"{where}: target_layer_ids {list(self.target_layer_ids)} has {bad} outside the target's "
-                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
-            )
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers, where)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ConfigError(
                 f"{where}: mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})"
@@ -206,6 +212,14 @@ class TargetInfo:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
 
+    @classmethod
+    def from_hf_config(cls, config) -> "TargetInfo":
+        """From a transformers config (eos_token_id may be an int, a list, or absent)."""
+        eos = config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size,
+                   config.max_position_embeddings, eos_ids)
+
 
 def check_drafter_matches_target(drafter: DrafterConfig, target: TargetInfo) -> None:
     """Cross-checks between a drafter and the target it drafts for; raises ConfigError."""
@@ -219,11 +233,7 @@ def check_drafter_matches_target(drafter: DrafterConfig, target: TargetInfo) -> 
             f"drafter was built for a {drafter.num_target_layers}-layer target, this target has "
             f"{target.num_hidden_layers} layers: use the drafter trained for this target"
         )
-    bad = [t for t in drafter.target_layer_ids if not 0 <= t < target.num_hidden_layers]
-    if bad:
-        raise ConfigError(
-            f"target_layer_ids {bad} are out of range for the target's {target.num_hidden_layers} layers"
-        )
+    check_target_layer_ids(drafter.target_layer_ids, target.num_hidden_layers, "drafter")
     if not 0 <= drafter.mask_token_id < target.vocab_size:
         raise ConfigError(
             f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {target.vocab_size})"
@@ -243,6 +253,26 @@ def load_yaml_file(path: Path, what: str) -> Any:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+
+
+def validate_model(model: "type[M]", raw: Any, where: str, *, heading: str = "",
+                   unknown_key_hint: str = "remove it or fix its spelling") -> "M":
+    """THE pydantic wrapper for our YAML schemas (build config, serve --config, Triton settings): `raw`
+    must be a mapping; any validation problem is one ConfigError line (describe_validation_error), and
+    a ConfigError raised by a model validator keeps its own message."""
+    from pydantic import ValidationError
+
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        cause = errors[0]["ctx"]["error"] if errors and "error" in errors[0].get("ctx", {}) else None
+        if isinstance(cause, ConfigError):
+            raise ConfigError(f"{where}: {cause}") from None
+        raise ConfigError(describe_validation_error(exc, where, heading=heading,
+                                                    unknown_key_hint=unknown_key_hint)) from None
 
 
 def describe_validation_error(exc: ValidationError, where: str, *, heading: str = "",

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from plugins.kernels import ContextKVWeights, triton_available
-from plugins.kernels.reference import accept_tokens_ref, pack_taps_ref, write_context_kv_ref
+from dflash_trt.speculative.verify import accept_tokens_ref  # the acceptance reference lives with the rule
+from plugins.kernels.reference import pack_taps_ref, write_context_kv_ref
 
 K, HIDDEN, N_TAPS, KV_HEADS, HEAD_DIM, MAX_LEN = 15, 2880, 5, 8, 64, 4096
 BATCHES, LAYERS = (1, 8, 32), (1, 8)

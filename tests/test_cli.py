@@ -68,7 +68,7 @@ def test_missing_paths_and_mismatched_drafter(ckpt, tmp_path):
 
 
 def test_import_needs_no_gpu_stack():
-    code = ("import sys, dflash_trt, dflash_trt.cli, dflash_trt.spec.decoder, dflash_trt.runtime.loader\n"
+    code = ("import sys, dflash_trt, dflash_trt.cli, dflash_trt.speculative.decoder, dflash_trt.runtime.factory\n"
             "bad = [m for m in ('tensorrt', 'tensorrt_llm', 'mpi4py', 'triton') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

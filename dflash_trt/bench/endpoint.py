@@ -1,10 +1,12 @@
-"""The concurrency sweep against a running OpenAI-compatible server (ours, trtllm-serve, vLLM).
+"""THE OpenAI client for load generation: the concurrency sweep against a running OpenAI-compatible
+server (ours, trtllm-serve, vLLM); `dflash-trt bench --endpoint URL` drives it.
 
 Each request streams (`stream: true`, `stream_options.include_usage`), greedy (temperature 0):
 chat prompts go to /v1/chat/completions, code prompts to /v1/completions as raw text. At each
 concurrency c, c worker threads keep c requests in flight until every request is done.
 Token counts come from the final chunk's `usage.completion_tokens` (else the number of
-content chunks, noted in the point). tau comes from the response when the server sends a
+content chunks, noted in the point). With `ignore_eos` (vLLM's extension, ours too) every request
+generates exactly max_new_tokens, so runs are comparable. tau comes from the response when the server sends a
 `mean_acceptance_length` field: in a `dflash` object (our server's extension, with `steps`), at
 the top level of a chunk, or inside `usage`; otherwise it is left empty.
 """
@@ -18,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from dflash_trt.bench.datasets import Prompt
+from dflash_trt.prompts import Prompt
 from dflash_trt.bench.report import RequestTiming, sweep_point
 from dflash_trt.errors import BackendUnavailableError, InputError
 
@@ -33,6 +35,7 @@ class EndpointConfig:
     api_key: str | None = None
     model: str | None = None  # None: the first id from /v1/models
     timeout_s: float = 600.0
+    ignore_eos: bool = False  # generate exactly max_new_tokens per request (server extension)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -86,6 +89,8 @@ def stream_one(client, cfg: EndpointConfig, model: str, prompt: Prompt, max_new_
     """Send one streaming request; returns its timing and whether usage gave the token count."""
     body: dict = {"model": model, "max_tokens": max_new_tokens, "temperature": 0.0, "stream": True,
                   "stream_options": {"include_usage": True}}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
     if prompt.kind == "chat":
         url, body["messages"] = f"{cfg.base}/chat/completions", [{"role": "user", "content": prompt.text}]
     else:

@@ -1,6 +1,7 @@
 """Decoding modes the bench measures side by side on one target, one prompt at a time (greedy).
 
-Our engine: `dflash` (DFlash on DFlashEngine) and `ar` (the same engine with the drafter off).
+The engine of the chosen backend (runtime/factory.py; torch by default): `dflash` and `ar` (the
+same engine with the drafter off).
 Peers on the same target weights, each only where installed: `hf-generate` (transformers'
 `generate`, greedy autoregressive), `hf-prompt-lookup` (transformers' prompt-lookup decoding,
 `prompt_lookup_num_tokens`), and `dflash-reference` (the upstream `dflash` package's
@@ -26,9 +27,7 @@ from typing import Callable
 import torch
 
 from dflash_trt.errors import DFlashError, InputError
-from dflash_trt.runtime.loader import LoadedModels
-from dflash_trt.spec.decoder import EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class ModeOutput:
 class ModeContext:
     """What every mode may use: the loaded models, the engine settings, the checkpoint paths."""
 
-    models: LoadedModels
+    models: object  # a loaded backend (runtime/factory.py): .engine(config), .info, .load, .tokenizer
     engine_config: EngineConfig  # max_batch_size is overridden to 1 for the per-prompt runs
     target_dir: Path
     drafter_dir: Path | None
@@ -66,7 +65,7 @@ class ModeContext:
 
     @property
     def eos_ids(self) -> list[int]:
-        return list(self.models.target.info.eos_token_ids)
+        return list(self.models.info.eos_token_ids)
 
     def hf_target(self):
         """The target as a plain transformers model (loaded once, shared by the peers)."""
@@ -87,22 +86,22 @@ class BenchMode(ABC):
 
 
 class EngineMode(BenchMode):
-    """DFlash or autoregressive decoding on our DFlashEngine, batch 1."""
+    """DFlash or autoregressive decoding on the backend's engine, batch 1."""
 
-    def __init__(self, name: str, ctx: ModeContext, spec: bool) -> None:
-        if spec and ctx.models.drafter is None:
+    def __init__(self, name: str, ctx: ModeContext, speculative: bool) -> None:
+        if speculative and ctx.models.load.drafter is None:
             raise ModeUnavailable("no drafter loaded (pass --drafter, or use the shipped one)")
         self.name = name
-        cfg = replace(ctx.engine_config, spec=spec, max_batch_size=1)
+        cfg = replace(ctx.engine_config, speculative=speculative, max_batch_size=1)
         self.engine = ctx.models.engine(cfg)
 
     def run(self, prompt: list[int], max_new_tokens: int) -> ModeOutput:
         t0 = time.perf_counter()
         result = self.engine.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]
         elapsed = time.perf_counter() - t0
-        spec = self.engine.spec
+        speculative = self.engine.speculative
         return ModeOutput(tokens=list(result.tokens), time_s=elapsed, ttft_s=result.time_to_first_token_s,
-                          steps=len(result.steps), accepted=[s.accepted for s in result.steps] if spec else None,
+                          steps=len(result.steps), accepted=[s.accepted for s in result.steps] if speculative else None,
                           draft_tokens=self.engine.block_size - 1)
 
 
@@ -199,8 +198,8 @@ class ReferenceDFlashMode(HFMode):
 ModeFactory = Callable[[str, ModeContext], BenchMode]
 
 MODES: dict[str, ModeFactory] = {
-    "dflash": lambda name, ctx: EngineMode(name, ctx, spec=True),
-    "ar": lambda name, ctx: EngineMode(name, ctx, spec=False),
+    "dflash": lambda name, ctx: EngineMode(name, ctx, speculative=True),
+    "ar": lambda name, ctx: EngineMode(name, ctx, speculative=False),
     "hf-generate": HFGenerateMode,
     "hf-prompt-lookup": HFPromptLookupMode,
     "dflash-reference": ReferenceDFlashMode,

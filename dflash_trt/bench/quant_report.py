@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from dflash_trt.checkpoint import modelopt_hf
-from dflash_trt.quant.calibrate import calibrate_drafter, calibrate_target, calibration_prompts
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.builder.calibration import calibrate_drafter, calibrate_target, calibration_prompts
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.runtime.factory import torch_engine
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
@@ -43,8 +43,8 @@ def nll_of(target, prompt: list[int], continuation: list[int]) -> tuple[float, i
 
 
 def greedy(target, drafter, prompts, max_new: int):
-    cfg = EngineConfig(max_seq_len=max(map(len, prompts)) + max_new + 64, max_batch_size=1, spec=drafter is not None)
-    engine = DFlashEngine(target, drafter, cfg)
+    cfg = EngineConfig(max_seq_len=max(map(len, prompts)) + max_new + 64, max_batch_size=1, speculative=drafter is not None)
+    engine = torch_engine(target, drafter, cfg)
     params = SamplingParams(max_new_tokens=max_new)
     return [engine.generate([p], params)[0] for p in prompts]
 
@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dflash_trt.bench.datasets import load_mtbench
-    from dflash_trt.models.default import chat_prompt_ids, default_cache_dir, ensure_default_target
+    from dflash_trt.models.smollm2 import default_cache_dir, ensure_default_target
+    from dflash_trt.prompts import chat_prompt_ids
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_native_target
-    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.runtime.factory import load_tokenizer
 
     target_dir = args.target or ensure_default_target(args.cache_dir or default_cache_dir())
     target = load_native_target(target_dir)

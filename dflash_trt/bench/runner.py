@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import queue
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -26,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.bench.datasets import Prompt, load_humaneval, load_jsonl, load_mtbench
+from dflash_trt.bench.datasets import load_humaneval, load_jsonl, load_mtbench
+from dflash_trt.prompts import Prompt, encode_prompt
 from dflash_trt.bench.modes import BenchMode, ModeContext, build_modes
 from dflash_trt.bench.report import (SCHEMA_VERSION, Record, RequestTiming, aggregates, first_difference,
                                      per_position, record_dicts, speed_ratios, sweep_point, tau_of)
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, Scheduler, TokenEvent
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,9 @@ def load_prompts(datasets: tuple[str, ...], limit: int | None) -> list[BenchProm
 
 def tokenize(prompts: list[BenchPrompt], tokenizer) -> list[BenchPrompt]:
     """Code prompts are completed as raw text; chat prompts go through the chat template."""
-    from dflash_trt.models.default import chat_prompt_ids
-
     if tokenizer is None:
         raise InputError("the target has no tokenizer, so text prompts cannot be encoded")
-    return [replace(bp, ids=chat_prompt_ids(tokenizer, bp.prompt.text) if bp.prompt.kind == "chat"
-                    else list(tokenizer.encode(bp.prompt.text))) for bp in prompts]
+    return [replace(bp, ids=encode_prompt(tokenizer, bp.prompt.text, chat=bp.prompt.kind == "chat")) for bp in prompts]
 
 
 def environment() -> dict:
@@ -171,7 +168,7 @@ def _mismatch(mode, ref, bp: BenchPrompt, index, got, want, kind) -> dict:
 # ---- concurrency sweep ----------------------------------------------------------------------
 def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int, max_new_tokens: int, bar):
     """One sweep point on our engine; returns (point, [(prompt, tokens)])."""
-    engine = ctx.models.engine(replace(ctx.engine_config, spec=(mode == "dflash"), max_batch_size=c))
+    engine = ctx.models.engine(replace(ctx.engine_config, speculative=(mode == "dflash"), max_batch_size=c))
     sched = Scheduler(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     waiting = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]
@@ -185,11 +182,7 @@ def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int,
             inflight[id(handle)] = (handle, bp, [])
         sched.run_once()
         for key, (handle, bp, chunks) in list(inflight.items()):
-            while True:
-                try:
-                    ev = handle.events.get_nowait()
-                except queue.Empty:
-                    break
+            for ev in handle.drain():
                 if isinstance(ev, TokenEvent) and ev.tokens:
                     chunks.append(ev.time_s)
                 elif isinstance(ev, ErrorEvent):
@@ -204,6 +197,7 @@ def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int,
                     del inflight[key]
                     bar.update(1)
     point = sweep_point(mode, c, timings, time.perf_counter() - t0)
+    engine.shutdown()  # the trtllm backend's engine owns a tensorrt_llm.LLM
     if mode == "ar":
         point["tau"], point["per_position_acceptance"] = 1.0, []
     return point, outputs

@@ -16,10 +16,9 @@ from typing import Callable, Sequence
 from tqdm.auto import tqdm
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.decoder import DFlashEngine, GenerationResult
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import Engine, GenerationResult, SamplingParams
 
-EngineFactory = Callable[[bool, int], DFlashEngine]  # (spec, max_batch_size) -> engine
+EngineFactory = Callable[[bool, int], Engine]  # (speculative, max_batch_size) -> engine
 MODES = ("autoregressive", "dflash")
 
 
@@ -70,7 +69,7 @@ class ThroughputReport:
         return "\n".join(lines)
 
 
-def _timed(engine: DFlashEngine, prompts, params) -> tuple[list[GenerationResult], float]:
+def _timed(engine: Engine, prompts, params) -> tuple[list[GenerationResult], float]:
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     return results, time.perf_counter() - start
@@ -81,8 +80,8 @@ def measure(engine_factory: EngineFactory, prompts: Sequence[Sequence[int]], bat
             progress: bool = False) -> ThroughputReport:
     """Tokens/s of autoregressive and DFlash decoding at each batch size, interleaved.
 
-    engine_factory(spec, max_batch_size) builds an engine on the same target for each mode
-    (spec=False: the autoregressive baseline). Sampled `params` need a seed so both modes decode
+    engine_factory(speculative, max_batch_size) builds an engine on the same target for each mode
+    (speculative=False: the autoregressive baseline). Sampled `params` need a seed so both modes decode
     reproducibly; greedy is the usual benchmark setting.
     """
     if not prompts:

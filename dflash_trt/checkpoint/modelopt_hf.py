@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.hf import atomic_directory, read_state_dict, write_json, write_safetensors
+from dflash_trt.fileio import atomic_directory, read_state_dict, write_json, write_safetensors
 from dflash_trt.checkpoint.provenance import PROVENANCE_FILE, make_provenance
 from dflash_trt.checkpoint.quantized import (
     QuantPlan,

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.errors import ConfigError
+from dflash_trt.fileio import check_state_dict
 from dflash_trt.quant.algo import QuantAlgo, parse_quant_algo
 from dflash_trt.quant.fp8 import E4M3_MAX, cast_to_fp8, weight_scale_from_amax
 from dflash_trt.quant.linear import QuantLinear
@@ -157,18 +158,7 @@ def load_quantized_state(model: nn.Module, state: dict[str, torch.Tensor], algo:
     state = _normalise_scalars(state)
     swap_linears(model, state, algo)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing or extra:
-        raise CheckpointError(f"{where}: quantized checkpoint does not match the model: missing tensors "
-                              f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected tensors "
-                              f"{extra[:8]}{'...' if len(extra) > 8 else ''}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                  f"the model expects {tuple(expected[name].shape)}")
-        if tensor.dtype != expected[name].dtype and not expected[name].is_floating_point():
-            raise CheckpointError(f"{where}: tensor {name} has dtype {tensor.dtype}, expected {expected[name].dtype}")
+    check_state_dict(state, expected, f"{where} (quantized checkpoint)", exact_dtypes=True)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
     return model.eval()
 

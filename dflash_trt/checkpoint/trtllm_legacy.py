@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash_trt.checkpoint.hf import atomic_directory, write_json, write_safetensors
+from dflash_trt.fileio import atomic_directory, write_json, write_safetensors
 from dflash_trt.checkpoint.provenance import PROVENANCE_FILE, make_provenance
 from dflash_trt.checkpoint.quantized import plan_for, quantize_state
-from dflash_trt.checkpoint.trtllm_layout import Geometry, Mapping, geometry_of, shard_state, unshard_state
+from dflash_trt.checkpoint.mapping import Mapping
+from dflash_trt.checkpoint.trtllm_layout import Geometry, geometry_of, shard_state, unshard_state
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.quant.algo import QuantAlgo, parse_quant_algo
 from dflash_trt.quant.nvfp4 import BLOCK_SIZE
@@ -44,18 +45,18 @@ def _legacy_config(model, g: Geometry, m: Mapping, algo: QuantAlgo | None, exclu
         arch, eps, max_pos = ARCHITECTURES[model.arch.model_type], c.rms_norm_eps, c.max_position_embeddings
         source = c.to_dict()
         source.pop("quantization_config", None)
-        act = "swiglu" if g.experts else str(getattr(c, "hidden_act", "silu"))
+        act = "swiglu" if g.dims.num_experts else str(getattr(c, "hidden_act", "silu"))
     cfg = {
         "architecture": arch, "dtype": dtype, "logits_dtype": dtype, "num_hidden_layers": g.layers,
-        "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads, "hidden_size": g.hidden,
-        "norm_epsilon": eps, "vocab_size": g.vocab, "max_position_embeddings": max_pos, "hidden_act": act,
-        "use_parallel_embedding": True, "embedding_sharding_dim": 0, "head_size": g.head_dim,
-        "intermediate_size": g.intermediate, "position_embedding_type": "rope_gpt_neox",
+        "num_attention_heads": g.dims.num_heads, "num_key_value_heads": g.dims.num_kv_heads, "hidden_size": g.hidden,
+        "norm_epsilon": eps, "vocab_size": g.dims.vocab_size, "max_position_embeddings": max_pos, "hidden_act": act,
+        "use_parallel_embedding": True, "embedding_sharding_dim": 0, "head_size": g.dims.head_dim,
+        "intermediate_size": g.dims.intermediate_size, "position_embedding_type": "rope_gpt_neox",
         "share_embedding_table": False, "bias": bool(source.get("attention_bias", False)), "rotary_pct": 1.0,
         "rmsnorm": True, "lm_head_bias": False, "mapping": m.to_json(), "quantization": quant,
     }
-    if g.experts:
-        cfg["moe"] = {"num_experts": g.experts, "top_k": source["num_experts_per_tok"]}
+    if g.dims.num_experts:
+        cfg["moe"] = {"num_experts": g.dims.num_experts, "top_k": source["num_experts_per_tok"]}
         cfg.update(layer_types=source["layer_types"], sliding_window=source["sliding_window"],
                    attention_sinks=True, swiglu_alpha=1.702, swiglu_limit=source["swiglu_limit"],
                    rope_parameters=source.get("rope_parameters"))
@@ -85,8 +86,8 @@ def write_checkpoint(model, out_dir: Path, algo: str | QuantAlgo | None, calibra
         raise ConfigError(f"legacy export needs a NativeCausalLM or DFlashDrafter, got {type(model).__name__}")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {dtype}")
-    m = Mapping.for_sizes(tp, ep if g.experts else 1)
-    if ep > 1 and not g.experts:
+    m = Mapping.for_sizes(tp, ep if g.dims.num_experts else 1)
+    if ep > 1 and not g.dims.num_experts:
         raise ConfigError(f"--ep {ep} needs a mixture-of-experts model; this one is dense")
     parsed = None if algo is None else parse_quant_algo(algo)
     g.check(m, parsed)
@@ -128,7 +129,7 @@ def read_config(directory: Path) -> dict:
     supported = sorted(ARCHITECTURES.values()) + [DRAFTER_ARCHITECTURE]
     if arch not in supported:
         raise ConfigError(f"legacy architecture {arch} is not supported here (supported: {supported})")
-    Mapping(mapping["tp_size"], mapping.get("moe_tp_size", 1), mapping.get("moe_ep_size", 1))
+    Mapping.from_json(mapping)
     return cfg
 
 
@@ -149,8 +150,7 @@ def load_merged(directory: Path, dtype: torch.dtype = torch.float32):
     from dflash_trt.checkpoint.quantized import algo_of_state, load_quantized_state
 
     cfg = read_config(directory)
-    mp = cfg["mapping"]
-    m = Mapping(mp["tp_size"], mp.get("moe_tp_size", 1), mp.get("moe_ep_size", 1))
+    m = Mapping.from_json(cfg["mapping"])
     source = dict(cfg["dflash_trt"]["source_config"])
     if cfg["architecture"] == DRAFTER_ARCHITECTURE:
         from dflash_trt.config import DrafterConfig
@@ -174,5 +174,5 @@ def load_merged(directory: Path, dtype: torch.dtype = torch.float32):
     return load_quantized_state(model, state, algo, str(directory))
 
 
-__all__ = ["ARCHITECTURES", "DRAFTER_ARCHITECTURE", "Geometry", "Mapping", "load_merged", "read_config", "shard_state",
+__all__ = ["ARCHITECTURES", "DRAFTER_ARCHITECTURE", "Geometry", "load_merged", "read_config", "shard_state",
            "unshard_state", "write_checkpoint"]

@@ -1,9 +1,9 @@
 """`dflash-trt bench`: acceptance, speed and Pareto curves, side by side with peers.
 
-Batch 1: every mode (dflash, ar on our engine; hf-generate, hf-prompt-lookup, dflash-reference
+Batch 1: every mode (dflash, ar on the --backend engine, torch by default; hf-generate, hf-prompt-lookup, dflash-reference
 on the same target where installed) decodes every prompt greedily, interleaved prompt by prompt
 with the mode order rotated; outputs must be token-identical (a mismatch is an error and the
-command exits 1). Then a concurrency sweep of dflash and ar on our engine (continuous batching,
+command exits 1). Then a concurrency sweep of dflash and ar on that engine (continuous batching,
 c requests in flight). With --endpoint the sweep runs against a running OpenAI-compatible server
 instead (ours, trtllm-serve, vLLM) and no model is loaded here.
 Writes DIR/report.json, DIR/report.md, DIR/pareto.png and DIR/acceptance.png.
@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dflash_trt.commands.common import add_model_flags, engine_config, load
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load
 from dflash_trt.errors import InputError
 
 
@@ -44,12 +44,15 @@ def register(sub) -> None:
                    help="sweep a running OpenAI-compatible server instead of the local engine")
     p.add_argument("--api-key", default=None, help="bearer token for --endpoint")
     p.add_argument("--model", default=None, help="model name for --endpoint (default: the first it lists)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="with --endpoint: every request generates exactly --max-new-tokens (server extension)")
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="where report.json/.md and plots go")
     p.add_argument("--no-warmup", action="store_true", help="skip the unrecorded warm-up generation per mode")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is fastest on a loaded machine)")
+    add_backend_flag(p)
     add_model_flags(p)
     p.set_defaults(func=run, _bench_parser=p)
 
@@ -89,7 +92,7 @@ def _run_endpoint(args, cfg, prompts) -> tuple[dict, dict]:
     from dflash_trt.bench.endpoint import EndpointConfig, run_endpoint_sweep
     from dflash_trt.bench.runner import _progress
 
-    ecfg = EndpointConfig(url=args.endpoint, api_key=args.api_key, model=args.model)
+    ecfg = EndpointConfig(url=args.endpoint, api_key=args.api_key, model=args.model, ignore_eos=args.ignore_eos)
     if not cfg.concurrency:
         raise InputError("--endpoint runs the concurrency sweep: give --concurrency values")
     total = sum(max(len(prompts), c) for c in cfg.concurrency)
@@ -107,6 +110,7 @@ def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
 
     from dflash_trt.bench.modes import ModeContext
     from dflash_trt.bench.runner import run_local, tokenize
+    from dflash_trt.config import DrafterConfig
     from dflash_trt.models.drafter import DTYPES
 
     models = load(args)
@@ -114,14 +118,16 @@ def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
     longest = max(len(bp.ids) for bp in prompts)
     ecfg = engine_config(args)
     ecfg = replace(ecfg, max_seq_len=min(args.max_seq_len, longest + cfg.max_new_tokens))
-    block = (args.block_size or models.drafter.block_size) if models.drafter is not None else 1
-    ctx = ModeContext(models=models, engine_config=ecfg, target_dir=Path(models.spec.target),
-                      drafter_dir=None if models.spec.drafter is None else Path(models.spec.drafter),
+    drafter_dir = models.load.drafter
+    block = (args.block_size or DrafterConfig.load(drafter_dir).block_size) if drafter_dir is not None else 1
+    ctx = ModeContext(models=models, engine_config=ecfg, target_dir=Path(models.load.target),
+                      drafter_dir=None if drafter_dir is None else Path(drafter_dir),
                       dtype=DTYPES[args.dtype], block_size=block,
                       prompt_lookup_tokens=args.prompt_lookup_tokens or (block - 1 if block > 1 else 10))
     body = run_local(cfg, ctx, prompts)
-    extra = {"target": str(models.spec.target), "drafter": None if models.spec.drafter is None else str(models.spec.drafter),
-             "target_name": Path(models.spec.target).name, "dtype": args.dtype, "target_backend": args.target_backend,
+    extra = {"backend": models.backend, "target": str(models.load.target),
+             "drafter": None if drafter_dir is None else str(drafter_dir),
+             "target_name": Path(models.load.target).name, "dtype": args.dtype, "target_backend": args.target_backend,
              "block_size": block, "max_seq_len": ecfg.max_seq_len, "prompt_lookup_tokens": ctx.prompt_lookup_tokens,
              "prompts": [{"dataset": bp.dataset, "prompt_id": bp.prompt.id, "category": bp.prompt.category,
                           "kind": bp.prompt.kind, "prompt_tokens": len(bp.ids)} for bp in prompts]}

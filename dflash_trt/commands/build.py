@@ -46,9 +46,9 @@ def _delays(items: list[str]) -> dict[str, float]:
 
 def _default_target(args: argparse.Namespace) -> Path | None:
     """The embedded SmolLM2 directory when the config asks for @default (converted once, not on dry runs)."""
-    from dflash_trt.build.config import load_build_config
+    from dflash_trt.builder.config import load_build_config
     from dflash_trt.commands.common import cache_dir
-    from dflash_trt.models.default import DEFAULT_CACHE_SUBDIR, ensure_default_target
+    from dflash_trt.models.smollm2 import DEFAULT_CACHE_SUBDIR, ensure_default_target
 
     if load_build_config(args.config).target.path != "@default":
         return None
@@ -57,8 +57,8 @@ def _default_target(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.build.builder import BuildOptions, build
-    from dflash_trt.build.plan import format_plan
+    from dflash_trt.builder.builder import BuildOptions, build
+    from dflash_trt.builder.plan import format_plan
 
     options = BuildOptions(output=args.output.resolve(), dry_run=args.dry_run, force=args.force,
                            progress=not args.no_progress and sys.stderr.isatty(),

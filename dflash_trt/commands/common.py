@@ -1,16 +1,22 @@
-"""Flags shared by the commands that load models (generate, demo, serve, bench)."""
+"""Flags shared by the commands that load models (generate, demo, serve, bench, triton-repo)."""
 from __future__ import annotations
 
 import argparse
 import os
 from pathlib import Path
 
+from dflash_trt.engine import ACCEPTANCE_MODES, EngineConfig
 from dflash_trt.errors import ConfigError
-from dflash_trt.runtime.loader import LoadedModels, ModelSpec, load_models
-from dflash_trt.spec.decoder import ACCEPTANCE_MODES, EngineConfig
+from dflash_trt.runtime.factory import BACKENDS, LoadConfig, check_backend, load_backend
 
 CACHE_ENV = "DFLASH_TRT_CACHE"
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dflash"
+
+
+def add_backend_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="torch",
+                   help="torch: this project's engine (CPU or CUDA); trtllm: TensorRT-LLM's LLM API with DFlash "
+                        "(needs a CUDA GPU and tensorrt_llm)")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -40,10 +46,10 @@ def cache_dir(args: argparse.Namespace) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "dflash_trt"
 
 
-def model_spec(args: argparse.Namespace) -> ModelSpec:
+def load_config(args: argparse.Namespace) -> LoadConfig:
     target, drafter = args.target, args.drafter
     if target is None:
-        from dflash_trt.models.default import ensure_default_target
+        from dflash_trt.models.smollm2 import ensure_default_target
 
         target = ensure_default_target(cache_dir(args))
         if drafter is None and not args.no_spec:
@@ -52,14 +58,32 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
             drafter = SHIPPED_DRAFTER
     if drafter is None and not args.no_spec:
         raise ConfigError("--drafter is required with --target (or pass --no-spec for autoregressive decoding)")
-    return ModelSpec(target=target, drafter=None if args.no_spec else drafter,
+    return LoadConfig(target=target, drafter=None if args.no_spec else drafter,
                      target_backend=args.target_backend, dtype=args.dtype)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_batch_size=args.max_batch_size,
-                        max_seq_len=args.max_seq_len, spec=not args.no_spec, acceptance=args.acceptance)
+                        max_seq_len=args.max_seq_len, speculative=not args.no_spec, acceptance=args.acceptance)
 
 
-def load(args: argparse.Namespace) -> LoadedModels:
-    return load_models(model_spec(args))
+def trtllm_options(backend: str, tp: int = 1, moe_tp_size: int = 1, llm_args: dict | None = None):
+    """--backend trtllm: TensorRT-LLM runs its own tensor/expert parallelism from these LLM arguments
+    (None on the torch backend, whose --tp is an MPI job: runtime/mpi.py)."""
+    if backend != "trtllm":
+        return None
+    from dflash_trt.runtime.factory import TrtllmOptions
+
+    llm_args = dict(llm_args or {})
+    if tp > 1:
+        llm_args["tensor_parallel_size"] = tp
+    if moe_tp_size > 1:
+        llm_args["moe_tensor_parallel_size"] = moe_tp_size
+    return TrtllmOptions(llm_args=llm_args)
+
+
+def load(args: argparse.Namespace, tp: int = 1, moe_tp_size: int = 1, llm_args: dict | None = None):
+    """The backend --backend names, loaded; its availability is checked before the models are resolved
+    (the embedded default target is converted on first use)."""
+    check_backend(args.backend)
+    return load_backend(args.backend, load_config(args), trtllm_options(args.backend, tp, moe_tp_size, llm_args))

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
-from dflash_trt.commands.common import add_model_flags, cache_dir, engine_config, load
+from dflash_trt.commands.common import add_model_flags, cache_dir, engine_config, load_config
 from dflash_trt.errors import DFlashError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import SamplingParams
 
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
 
@@ -33,12 +34,12 @@ def _tiny_models(args):
 
     from dflash_trt.models.target import native_from_hf
     from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-    from dflash_trt.runtime.loader import LoadedModels, ModelSpec
+    from dflash_trt.runtime.factory import LoadConfig, TorchModels
 
     hf = build_tiny_target("llama", seed=0)
     drafter = build_tiny_drafter(hf.config, seed=0, num_layers=1, block_size=8)
-    spec = ModelSpec(target=cache_dir(args), drafter=None)
-    return LoadedModels(spec=spec, target=native_from_hf(hf, torch.float32), drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
+    load = LoadConfig(target=cache_dir(args), drafter=None)
+    return TorchModels(load=load, target=native_from_hf(hf, torch.float32), drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
         models, ids = _tiny_models(args)
         args.max_seq_len = min(args.max_seq_len, models.target.info.max_position_embeddings)
     else:
-        models = load(args)
+        from dflash_trt.runtime.factory import load_backend
+
+        models = load_backend("torch", load_config(args))  # the demo compares modes of our own engine
         from dflash_trt.commands.generate import prompt_ids
 
         ids = prompt_ids(models, args.prompt, None, chat=True)
@@ -54,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     timings = {}
     results = {}
-    for mode, spec in (("autoregressive", False), ("dflash", True)):
-        engine = models.engine(type(cfg)(**{**cfg.__dict__, "spec": spec, "max_batch_size": 1}))
+    for mode, speculative in (("autoregressive", False), ("dflash", True)):
+        engine = models.engine(replace(cfg, speculative=speculative, max_batch_size=1))
         t0 = time.perf_counter()
         results[mode] = engine.generate([ids], params)[0]
         timings[mode] = time.perf_counter() - t0

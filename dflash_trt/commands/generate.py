@@ -1,5 +1,7 @@
 """`dflash-trt generate`: decode one prompt with DFlash (or autoregressively with --no-spec).
 
+--backend torch (default: this project's engine) or trtllm (TensorRT-LLM's LLM API; a CUDA GPU and
+tensorrt_llm, else one error line and exit 2) picks the engine behind the same contract.
 With --json it prints one object: tokens, text (when a tokenizer exists), steps
 [{draft_tokens, accepted}], mean_acceptance_length, tokens_per_s, finish_reason, prompt_tokens.
 """
@@ -9,9 +11,9 @@ import argparse
 import json
 import sys
 
-from dflash_trt.commands.common import add_model_flags, engine_config, load, model_spec
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load, load_config
 from dflash_trt.errors import InputError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import SamplingParams
 
 
 def register(sub) -> None:
@@ -29,10 +31,12 @@ def register(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks; launch as `mpirun -n N dflash-trt generate --tp N ...`")
+                   help="tensor-parallel ranks; torch backend: launch as `mpirun -n N dflash-trt generate --tp N ...`; "
+                        "trtllm backend: TensorRT-LLM starts its own N workers")
     p.add_argument("--moe-tp-size", type=int, default=1,
                    help="with --tp: ranks splitting each expert's intermediate dim (the rest split the experts)")
     p.add_argument("--tp-timeout", type=float, default=300.0, help="with --tp: seconds before a stuck collective fails the job")
+    add_backend_flag(p)
     add_model_flags(p)
     p.set_defaults(func=run)
 
@@ -55,21 +59,23 @@ def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[
     tok = models.tokenizer
     if tok is None:
         raise InputError("this target has no tokenizer: use --prompt-ids")
-    if chat:
-        from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.prompts import encode_prompt
 
-        return chat_prompt_ids(tok, prompt)
-    return tok.encode(prompt)
+    return encode_prompt(tok, prompt, chat=chat)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp != 1:
+    if args.backend == "torch" and args.tp != 1:
         from dflash_trt.runtime.mpi import TPConfig, tp_main
 
         config = TPConfig(args.tp, args.moe_tp_size, args.tp_timeout)
-        return tp_main(config, lambda: model_spec(args), engine_config(args), lambda m, e: decode(args, m, e))
-    models = load(args)
-    return decode(args, models, models.engine(engine_config(args)))
+        return tp_main(config, lambda: load_config(args), engine_config(args), lambda m, e: decode(args, m, e))
+    models = load(args, args.tp, args.moe_tp_size)
+    engine = models.engine(engine_config(args))
+    try:
+        return decode(args, models, engine)
+    finally:
+        engine.shutdown()
 
 
 def decode(args: argparse.Namespace, models, engine) -> int:

@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.checkpoint import modelopt_hf, trtllm_legacy
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_native_target
-    from dflash_trt.quant.calibrate import calibrate_drafter, calibrate_target, calibration_prompts
-    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.builder.calibration import calibrate_drafter, calibrate_target, calibration_prompts
+    from dflash_trt.runtime.factory import load_tokenizer
 
     if args.target is None:
         raise ConfigError("--target is required (the drafter is calibrated on the target's features)")

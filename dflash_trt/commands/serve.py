@@ -10,7 +10,8 @@ served. `--config` takes the YAML that `trtllm-serve --config` takes, e.g.
   max_seq_len: 4096
 Values from the file apply as if given as flags (max_draft_len N -> --block-size N+1,
 speculative_model -> --drafter, use_rejection_sampling -> --acceptance rejection); a flag given
-explicitly with a different value is an error. Endpoints: /v1/models, /v1/completions,
+explicitly with a different value is an error. --backend trtllm serves TensorRT-LLM's engine behind the
+same server (the file's TensorRT-LLM runtime keys go to it). Endpoints: /v1/models, /v1/completions,
 /v1/chat/completions, /health, /metrics. Binds to loopback unless --host says otherwise.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash_trt.commands.common import add_model_flags, engine_config, model_spec
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load, load_config
 from dflash_trt.errors import ConfigError
 
 # flag dest -> ServeOverrides field, for the --config file
@@ -46,16 +47,19 @@ def register(sub) -> None:
     s.add_argument("--max-num-tokens", type=int, default=4096, help="tokens one decode step may process")
     s.add_argument("--max-input-len", type=int, default=None, help="refuse longer prompts with 400")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    add_backend_flag(p)
     add_model_flags(p)
-    p.set_defaults(func=run, _serve_parser=p)
+    p.set_defaults(func=run, _serve_parser=p, _trtllm_args={})
 
 
 def _apply_config(args: argparse.Namespace) -> None:
-    """Fold the --config file into args (in place); an explicit flag that disagrees is an error."""
+    """Fold the --config file into args (in place); an explicit flag that disagrees is an error.
+    Top-level keys that only tune TensorRT-LLM's runtime go to it with --backend trtllm."""
     from dflash_trt.config import DrafterConfig
     from dflash_trt.serve.config import check_against_drafter, load_llm_api_config, resolve_overrides
 
     over = resolve_overrides(load_llm_api_config(args.config))
+    args._trtllm_args = dict(over.trtllm_args)
     tp = over.tensor_parallel_size
     if tp is not None and tp > 1 and args.tp != tp:
         raise ConfigError(f"{args.config} sets tensor_parallel_size: {tp}: launch with --tp {tp} "
@@ -79,10 +83,10 @@ def _apply_config(args: argparse.Namespace) -> None:
 
 
 def _server_config(args: argparse.Namespace, target: Path):
-    from dflash_trt.serve.config import ServerConfig
+    from dflash_trt.serve.config import OpenAIServerConfig
 
     name = args.served_model_name or (str(args.target) if args.target is not None else target.name)
-    return ServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+    return OpenAIServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=args.api_key,
                         max_input_len=args.max_input_len, log_level=args.log_level)
 
 
@@ -95,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         _apply_config(args)
     if args.tp < 1:
         raise ConfigError(f"--tp must be >= 1, got {args.tp}")
-    from dflash_trt.runtime.loader import load_models
     from dflash_trt.runtime.scheduler import SchedulerConfig
     from dflash_trt.serve.openai_server import serve
 
@@ -103,11 +106,15 @@ def run(args: argparse.Namespace) -> int:
     sched = SchedulerConfig(max_queue=args.max_queue, token_budget=args.max_num_tokens)
 
     def lead(models, engine) -> int:  # rank 0 (or the only rank) serves HTTP
-        return serve(models, engine, sched, _server_config(args, Path(models.spec.target)))
+        return serve(models, engine, sched, _server_config(args, Path(models.load.target)))
 
-    if args.tp > 1:
+    if args.backend == "torch" and args.tp > 1:
         from dflash_trt.runtime.mpi import TPConfig, tp_main
 
-        return tp_main(TPConfig(args.tp, args.moe_tp_size, args.tp_timeout), lambda: model_spec(args), eng, lead)
-    models = load_models(model_spec(args))
-    return lead(models, models.engine(eng))
+        return tp_main(TPConfig(args.tp, args.moe_tp_size, args.tp_timeout), lambda: load_config(args), eng, lead)
+    models = load(args, args.tp, args.moe_tp_size, args._trtllm_args)
+    engine = models.engine(eng)
+    try:
+        return lead(models, engine)
+    finally:
+        engine.shutdown()

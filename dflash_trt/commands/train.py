@@ -31,7 +31,8 @@ def register(sub) -> None:
     p.add_argument("--drafter-init", type=Path, default=None, help="start from this drafter (its architecture wins)")
     a = p.add_argument_group("drafter")
     a.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
-    a.add_argument("--taps", default=None, help="target layer ids to tap, e.g. 1,14,27 (default: 3 evenly spaced)")
+    a.add_argument("--target-layer-ids", default=None,
+                   help="target layers whose hidden states the drafter reads, e.g. 1,14,27 (default: 3 evenly spaced)")
     a.add_argument("--block-size", type=int, default=16)
     a.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     a.add_argument("--mask-token-id", type=int, default=None, help="default: the last vocabulary id")
@@ -64,22 +65,22 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def parse_taps(text: str | None) -> tuple[int, ...] | None:
+def parse_target_layer_ids(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        taps = tuple(int(x) for x in text.split(",") if x.strip())
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
-        raise ConfigError(f"--taps must be comma-separated layer ids, got '{text}'") from exc
-    if not taps:
-        raise ConfigError("--taps is empty")
-    return taps
+        raise ConfigError(f"--target-layer-ids must be comma-separated layer ids, got '{text}'") from exc
+    if not ids:
+        raise ConfigError("--target-layer-ids is empty")
+    return ids
 
 
 def training_prompts(tokenizer, recipe, target=None, max_prompt_tokens: int = 384):
     """(prompt token ids, PromptSet) after the eval-overlap filter; long prompts dropped."""
     from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
-    from dflash_trt.models.default import chat_prompt_ids
+    from dflash_trt.prompts import chat_prompt_ids
     from dflash_trt.train.data import build_training_prompts
 
     generate_fn = engine_generate_fn(target) if recipe.self_prompt_count else None
@@ -94,10 +95,10 @@ def training_prompts(tokenizer, recipe, target=None, max_prompt_tokens: int = 38
 
 def engine_generate_fn(target, max_new_tokens: int = 96):
     """A train/data.py GenerateFn on our engine: seeded sampling (T=1, top-p 0.95), batch 1."""
-    from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.engine import EngineConfig, SamplingParams
+    from dflash_trt.runtime.factory import torch_engine
 
-    engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=512))
+    engine = torch_engine(target, None, EngineConfig(speculative=False, max_batch_size=1, max_seq_len=512))
 
     def generate(prefix: list[int], seed: int) -> list[int]:
         params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_new_tokens=max_new_tokens)
@@ -109,7 +110,7 @@ def engine_generate_fn(target, max_new_tokens: int = 96):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash_trt.runtime.loader import load_tokenizer
+    from dflash_trt.runtime.factory import load_tokenizer
     from dflash_trt.train.data import DataRecipe
     from dflash_trt.train.trainer import TrainConfig, Trainer
 
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     target_dir = args.target
     if target_dir is None:
         from dflash_trt.commands.common import cache_dir
-        from dflash_trt.models.default import ensure_default_target
+        from dflash_trt.models.smollm2 import ensure_default_target
 
         target_dir = ensure_default_target(cache_dir(args))
     tokenizer = load_tokenizer(target_dir)
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     work = args.work_dir or args.output.with_name(args.output.name + ".work")
     config = TrainConfig(
         target=Path(target_dir), output=args.output, work_dir=work, data_dir=args.data_dir,
-        drafter_init=args.drafter_init, num_layers=args.layers, tap_layers=parse_taps(args.taps),
+        drafter_init=args.drafter_init, num_layers=args.layers, target_layer_ids=parse_target_layer_ids(args.target_layer_ids),
         block_size=args.block_size, intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
         steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, batch_size=args.batch_size, anchors_per_seq=args.anchors,

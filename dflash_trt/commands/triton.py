@@ -3,7 +3,7 @@
 triton-repo writes a model repository (Python backend, decoupled/streaming) whose tensors match
 TensorRT-LLM's LLM-API Triton model: text_input, streaming, sampling_param_* -> text_output,
 finish_reason, acceptance_rate, total_accepted_draft_tokens, total_draft_tokens. With --config the
-model spec comes from a YAML (schema in dflash_trt/serve/triton/spec.py); model flags that are
+model settings come from a YAML (schema in dflash_trt/serve/triton/settings.py); model flags that are
 given with a value other than their default override it.
 
 triton-serve starts nvidia-pytriton's bundled tritonserver on that repository (loopback by
@@ -17,10 +17,10 @@ import signal
 import tempfile
 from pathlib import Path
 
-from dflash_trt.commands.common import CACHE_ENV, add_model_flags, model_spec
+from dflash_trt.commands.common import CACHE_ENV, add_backend_flag, add_model_flags, load_config
 from dflash_trt.errors import DFlashError
 
-REPO_FLAGS = {  # flag dest -> (section or None, spec key)
+REPO_FLAGS = {  # flag dest -> (section or None, settings key)
     "target": (None, "target"), "drafter": (None, "drafter"), "target_backend": (None, "target_backend"),
     "dtype": (None, "dtype"), "model_name": (None, "model_name"), "backend": (None, "backend"),
     "chat": (None, "chat"), "default_max_tokens": (None, "default_max_tokens"), "torch_threads": (None, "torch_threads"),
@@ -33,17 +33,16 @@ REPO_FLAGS = {  # flag dest -> (section or None, spec key)
 def register(sub) -> None:
     p = sub.add_parser("triton-repo", help="write a Triton model repository that serves DFlash",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None, help="model spec YAML (see dflash_trt/serve/triton/spec.py)")
+    p.add_argument("--config", type=Path, default=None, help="model settings YAML (see dflash_trt/serve/triton/settings.py)")
     p.add_argument("--output", type=Path, required=True, help="the model repository folder (created if missing)")
     p.add_argument("--model-name", default="dflash", help="Triton model name (default: dflash)")
-    p.add_argument("--backend", choices=("torch", "trtllm"), default="torch",
-                   help="torch: our runtime (CPU/CUDA); trtllm: TensorRT-LLM's LLM API with DFlash (GPU machines)")
     p.add_argument("--chat", action="store_true", help="wrap text_input in the target's chat template")
     p.add_argument("--default-max-tokens", type=int, default=128, help="when a request has no sampling_param_max_tokens")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads in the model process (default: torch's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond the running batch")
     p.add_argument("--token-budget", type=int, default=4096, help="tokens one scheduler step may process")
     p.add_argument("--force", action="store_true", help="replace an existing model folder")
+    add_backend_flag(p)
     add_model_flags(p)
     p.set_defaults(func=lambda args: run_repo(args, p))
 
@@ -62,20 +61,20 @@ def register(sub) -> None:
     s.set_defaults(func=run_serve)
 
 
-def _spec_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict, Path]:
-    """The model spec as a dict, and the folder relative paths are taken from."""
+def _settings_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[dict, Path]:
+    """The model settings as a dict, and the folder relative paths are taken from."""
     if args.config is not None:
-        from dflash_trt.serve.triton.spec import TritonModelSpec
+        from dflash_trt.serve.triton.settings import TritonSettings
 
-        raw = TritonModelSpec.load(args.config).model_dump(mode="json")
+        raw = TritonSettings.load(args.config).model_dump(mode="json")
         base = args.config.resolve().parent
         given = {dest for dest in REPO_FLAGS if getattr(args, dest) != parser.get_default(dest)}
         if args.no_spec:
-            raw["engine"]["spec"], raw["drafter"] = False, None
+            raw["engine"]["speculative"], raw["drafter"] = False, None
     else:
-        ms = model_spec(args)  # resolves the embedded default target and the shipped drafter
-        raw = {"engine": {"spec": not args.no_spec}, "scheduler": {}}
-        raw["target"], raw["drafter"] = str(ms.target), None if ms.drafter is None else str(ms.drafter)
+        load = load_config(args)  # resolves the embedded default target and the shipped drafter
+        raw = {"engine": {"speculative": not args.no_spec}, "scheduler": {}}
+        raw["target"], raw["drafter"] = str(load.target), None if load.drafter is None else str(load.drafter)
         base = Path.cwd()
         given = set(REPO_FLAGS) - {"target", "drafter"}
     for dest in given:
@@ -87,14 +86,18 @@ def _spec_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
 
 def run_repo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from dflash_trt.runtime.factory import check_backend
     from dflash_trt.serve.triton.repo import write_repository
-    from dflash_trt.serve.triton.spec import TritonModelSpec
+    from dflash_trt.serve.triton.settings import TritonSettings
 
-    raw, base = _spec_dict(args, parser)
-    spec = TritonModelSpec.from_dict(raw, "triton-repo").resolved(base)
-    spec.check_paths()
-    folder = write_repository(spec, args.output, overwrite=args.force)
-    print(f"wrote model '{spec.model_name}' ({spec.backend} backend) to {folder}")
+    if args.config is None:
+        check_backend(args.backend)  # before the default target is resolved (converted on first use)
+    raw, base = _settings_dict(args, parser)
+    settings = TritonSettings.from_dict(raw, "triton-repo").resolved(base)
+    check_backend(settings.backend)  # the model loads it at startup: fail here, in one line, if it cannot run
+    settings.check_paths()
+    folder = write_repository(settings, args.output, overwrite=args.force)
+    print(f"wrote model '{settings.model_name}' ({settings.backend} backend) to {folder}")
     print(f"serve it with: dflash-trt triton-serve {args.output}")
     return 0
 
@@ -107,14 +110,14 @@ def _server_dir(args: argparse.Namespace) -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dflash_trt.serve.triton.launcher import ServerConfig, TritonServer, assemble_server
+    from dflash_trt.serve.triton.launcher import TritonServerConfig, TritonServer, assemble_server
 
     log_file = args.log_file
     if log_file is None:
         fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
         os.close(fd)
         log_file = Path(name)
-    config = ServerConfig(repository=args.repository, server_dir=assemble_server(_server_dir(args)), log_file=log_file,
+    config = TritonServerConfig(repository=args.repository, server_dir=assemble_server(_server_dir(args)), log_file=log_file,
                           address=args.address, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, ready_timeout_s=args.ready_timeout,
                           exit_timeout_s=args.exit_timeout)

@@ -2,7 +2,7 @@
 
 Given hidden states tapped from `target_layer_ids` of the target, the drafter predicts a whole
 block of future tokens in ONE forward:
-- feature fusion: ctx = hidden_norm(fc(concat(taps)))  (fc has no bias; hidden_norm is RMSNorm);
+- feature fusion: ctx = hidden_norm(fc(concat(target_hidden)))  (fc has no bias; hidden_norm is RMSNorm);
 - KV injection: in EVERY draft layer the keys/values are concat(k_proj(ctx), k_proj(norm(x)))
   along the sequence (same for v); k_norm applies to both; ctx does not pass the layer's
   input_layernorm; queries come from the block only;
@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.checkpoint.hf import atomic_directory, read_state_dict, write_json, write_safetensors
+from dflash_trt.fileio import atomic_directory, check_state_dict, read_state_dict, write_json, write_safetensors
 from dflash_trt.config import DrafterConfig
-from dflash_trt.errors import CheckpointError, InputError
-from dflash_trt.models.kv_cache import CacheSpec, RaggedKVCache
+from dflash_trt.errors import InputError
+from dflash_trt.models.kv_cache import CacheShape, RaggedKVCache
 from dflash_trt.models.layers import apply_rope, attend, attention_mask, rope_cos_sin
 from dflash_trt.models.transformer import RMSNorm
 from plugins.kernels.contracts import ContextKVWeights
@@ -125,7 +125,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(cfg.num_target_layer_ids * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, scaling = _rotary_inv_freq(cfg)
@@ -143,23 +143,23 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, max_rows: int, capacity: int) -> RaggedKVCache:
         p = self.fc.weight
-        spec = CacheSpec(len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim, capacity, p.dtype, p.device)
-        return RaggedKVCache(spec, max_rows)
+        shape = CacheShape(len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim, capacity, p.dtype, p.device)
+        return RaggedKVCache(shape, max_rows)
 
-    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """taps: [B, C, n_taps * H] -> fused context [B, C, H]."""
-        if taps.shape[-1] != self.fc.in_features:
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """target_hidden: [B, C, n_layer_ids * H] -> fused context [B, C, H]."""
+        if target_hidden.shape[-1] != self.fc.in_features:
             raise InputError(
-                f"target features have width {taps.shape[-1]}, the drafter expects {self.fc.in_features} "
-                f"({self.cfg.num_taps} taps x hidden {self.cfg.hidden_size})"
+                f"target features have width {target_hidden.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"({self.cfg.num_target_layer_ids} target layers x hidden {self.cfg.hidden_size})"
             )
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
-    def forward(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor | None,
+    def forward(self, cache: RaggedKVCache, rows: slice, ctx_hidden: torch.Tensor | None,
                 ctx_slots: torch.Tensor | None, block_embeds: torch.Tensor, block_pos: torch.Tensor) -> torch.Tensor:
         """One drafting forward.
 
-        ctx_taps:     [B, C, n_taps * H] new context features (padding rows allowed), or None;
+        ctx_hidden:     [B, C, n_taps * H] new context features (padding rows allowed), or None;
         ctx_slots:    [B, C] their positions (cache.dead_slot for padding);
         block_embeds: [B, T, H] target embeddings of [last token, mask, ...];
         block_pos:    [B, T] absolute positions of the block (contiguous per row).
@@ -167,10 +167,10 @@ class DFlashDrafter(nn.Module):
         """
         dtype = self.fc.weight.dtype
         x = block_embeds.to(dtype)
-        if ctx_taps is not None and ctx_taps.shape[1] > 0:
-            if ctx_slots is None or ctx_slots.shape != ctx_taps.shape[:2]:
-                raise InputError("ctx_slots must be given with the same [B, C] shape as ctx_taps")
-            self.write_context(cache, rows, ctx_taps, ctx_slots)
+        if ctx_hidden is not None and ctx_hidden.shape[1] > 0:
+            if ctx_slots is None or ctx_slots.shape != ctx_hidden.shape[:2]:
+                raise InputError("ctx_slots must be given with the same [B, C] shape as ctx_hidden")
+            self.write_context(cache, rows, ctx_hidden, ctx_slots)
         rope_block = rope_cos_sin(block_pos, self.inv_freq, self.rope_scaling, dtype)
         row_end = block_pos[:, -1] + 1  # [B]
         kv_end = int(row_end.max())
@@ -188,7 +188,7 @@ class DFlashDrafter(nn.Module):
             num_kv_heads=self.cfg.num_key_value_heads, head_dim=self.cfg.head_dim, eps=self.cfg.rms_norm_eps,
         )
 
-    def write_context(self, cache: RaggedKVCache, rows: slice, ctx_taps: torch.Tensor, ctx_slots: torch.Tensor,
+    def write_context(self, cache: RaggedKVCache, rows: slice, ctx_hidden: torch.Tensor, ctx_slots: torch.Tensor,
                       fused: bool | None = None) -> None:
         """KV injection: fc -> hidden_norm -> every layer's k_proj/k_norm/RoPE and v_proj, written
         into the draft cache at the context positions (padding slots go to the dead slot).
@@ -197,26 +197,26 @@ class DFlashDrafter(nn.Module):
         the tensors are on CUDA and the projections are plain linears, and this module's own layers
         otherwise (CPU, quantized weights, calibration hooks that must see every linear).
         """
-        if ctx_taps.shape[-1] != self.fc.in_features:
+        if ctx_hidden.shape[-1] != self.fc.in_features:
             raise InputError(
-                f"target features have width {ctx_taps.shape[-1]}, the drafter expects {self.fc.in_features} "
-                f"({self.cfg.num_taps} taps x hidden {self.cfg.hidden_size})"
+                f"target features have width {ctx_hidden.shape[-1]}, the drafter expects {self.fc.in_features} "
+                f"({self.cfg.num_target_layer_ids} target layers x hidden {self.cfg.hidden_size})"
             )
         plain = all(type(m) is nn.Linear for m in (self.fc, *(p for layer in self.layers
                                                               for p in (layer.self_attn.k_proj, layer.self_attn.v_proj))))
         if fused is None:
-            fused = ctx_taps.is_cuda and plain
-        _log_context_path("fused kernel" if fused else "drafter modules", ctx_taps.device)
+            fused = ctx_hidden.is_cuda and plain
+        _log_context_path("fused kernel" if fused else "drafter modules", ctx_hidden.device)
         if fused:
             from plugins.kernels import write_context_kv
 
             real = ctx_slots < cache.dead_slot  # [B, C]
             row_idx = torch.arange(ctx_slots.shape[0], device=ctx_slots.device)[:, None] + rows.start
-            feats = ctx_taps.to(self.fc.weight.dtype)[real]  # [N, n_taps * H]
+            feats = ctx_hidden.to(self.fc.weight.dtype)[real]  # [N, n_taps * H]
             write_context_kv(feats, row_idx.expand_as(ctx_slots)[real], ctx_slots[real], self.context_kv_weights(),
                              self.inv_freq.float(), cache.k, cache.v, attention_scaling=self.rope_scaling)
             return
-        ctx = self.fuse(ctx_taps)
+        ctx = self.fuse(ctx_hidden)
         rope_ctx = rope_cos_sin(ctx_slots, self.inv_freq, self.rope_scaling, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, *rope_ctx)
@@ -229,19 +229,7 @@ class DFlashDrafter(nn.Module):
         cfg = DrafterConfig.load(directory)
         state = read_state_dict(directory)
         model = cls(cfg)
-        expected = model.state_dict()
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            raise CheckpointError(
-                f"drafter checkpoint {directory} does not match its config: missing {missing[:5]}"
-                f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
-            )
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise CheckpointError(
-                    f"drafter tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}"
-                )
+        check_state_dict(state, model.state_dict(), f"drafter checkpoint {directory} (per its config.json)")
         model.checkpoint_dtype = {name: t.dtype for name, t in state.items()}
         model.load_state_dict(state, strict=True)
         return model.to(dtype).eval()

@@ -21,7 +21,7 @@ from dflash_trt.errors import ContextLengthError, InputError
 
 
 @dataclass(frozen=True)
-class CacheSpec:
+class CacheShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -33,24 +33,24 @@ class CacheSpec:
 class RaggedKVCache:
     """KV buffers for up to `max_rows` sequences with per-row lengths."""
 
-    def __init__(self, spec: CacheSpec, max_rows: int) -> None:
-        if max_rows < 1 or spec.capacity < 1:
-            raise InputError(f"cache needs max_rows >= 1 and capacity >= 1, got {max_rows}, {spec.capacity}")
-        self.spec = spec
+    def __init__(self, shape: CacheShape, max_rows: int) -> None:
+        if max_rows < 1 or shape.capacity < 1:
+            raise InputError(f"cache needs max_rows >= 1 and capacity >= 1, got {max_rows}, {shape.capacity}")
+        self.shape = shape
         self.max_rows = max_rows
-        shape = (spec.num_layers, max_rows, spec.num_kv_heads, spec.capacity + 1, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [L, rows, kvH, cap + 1, D]
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=spec.device)  # [max_rows]
+        dims = (shape.num_layers, max_rows, shape.num_kv_heads, shape.capacity + 1, shape.head_dim)
+        self.k = torch.zeros(dims, dtype=shape.dtype, device=shape.device)  # [L, rows, kvH, cap + 1, D]
+        self.v = torch.zeros(dims, dtype=shape.dtype, device=shape.device)
+        self.lengths = torch.zeros(max_rows, dtype=torch.long, device=shape.device)  # [max_rows]
         self.num_rows = 0
 
     @property
     def capacity(self) -> int:
-        return self.spec.capacity
+        return self.shape.capacity
 
     @property
     def dead_slot(self) -> int:
-        return self.spec.capacity
+        return self.shape.capacity
 
     def add_rows(self, count: int) -> range:
         """Reserve `count` empty rows at the end; returns their indices."""
@@ -99,8 +99,8 @@ class RaggedKVCache:
         k, v:  [B, kv_heads, T, head_dim].
         """
         batch = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [B, 1]
-        self.k[layer][rows][batch, :, slots] = k.transpose(1, 2).to(self.spec.dtype)
-        self.v[layer][rows][batch, :, slots] = v.transpose(1, 2).to(self.spec.dtype)
+        self.k[layer][rows][batch, :, slots] = k.transpose(1, 2).to(self.shape.dtype)
+        self.v[layer][rows][batch, :, slots] = v.transpose(1, 2).to(self.shape.dtype)
 
     def read(self, layer: int, rows: slice, kv_end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of slots [0, kv_end) of one layer: two [B, kv_heads, kv_end, head_dim]."""

@@ -1,7 +1,9 @@
 """Numerical building blocks shared by the native target and the DFlash drafter.
 
-RMSNorm (Zhang & Sennrich 2019), rotary position embeddings in the rotate-half convention
-(Su et al. 2021, as in Llama/Qwen3/gpt-oss checkpoints), and masked
+RMSNorm (Zhang & Sennrich 2019) and rotary position embeddings in the rotate-half convention
+(Su et al. 2021, as in Llama/Qwen3/gpt-oss checkpoints) are the kernels' torch references
+(plugins/kernels/reference.py, one floor down, so the fused kernels and the models share one
+implementation); here: applying RoPE to [B, H, T, D] heads, the attention mask, and masked
 grouped-query attention with optional per-head attention sinks (gpt-oss).
 """
 from __future__ import annotations
@@ -9,30 +11,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plugins.kernels.reference import rms_norm, rope_cos_sin, rotate_half  # the primitives, shared with the kernels
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D]; weight: [D]. Computed in float32 like the HF reference, cast back."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [B, T] -> cos, sin: [B, T, D] (frequencies duplicated over both halves)."""
-    freqs = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+__all__ = ["apply_rope", "attend", "attention_mask", "rms_norm", "rope_cos_sin"]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, T, D]; cos/sin: [B, T, D]."""
     cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + rotate_half(x) * sin
 
 
 def attention_mask(

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.hf import read_state_dict
+from dflash_trt.fileio import check_state_dict, read_state_dict
 from dflash_trt.config import TargetInfo
 from dflash_trt.errors import CheckpointError, ConfigError, InputError
-from dflash_trt.models.transformer import NativeCausalLM, TargetOutput
+from dflash_trt.engine import TargetOutput
+from dflash_trt.models.transformer import NativeCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +63,7 @@ def native_from_state_dict(config, state: dict[str, torch.Tensor], dtype: torch.
         if "model.embed_tokens.weight" not in state:
             raise CheckpointError("checkpoint has neither lm_head.weight nor model.embed_tokens.weight")
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing or extra:
-        raise CheckpointError(
-            f"target checkpoint does not match a {config.model_type} model of this config: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''} "
-            f"unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}"
-            )
+    check_state_dict(state, model.state_dict(), f"target checkpoint (a {config.model_type} model of this config)")
     model.load_state_dict(state, strict=True)
     model.to(dtype)
     if config.tie_word_embeddings:
@@ -161,11 +149,7 @@ class HFTarget:
 
     @property
     def info(self) -> TargetInfo:
-        c = self.config
-        eos = c.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return TargetInfo(c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size,
-                          c.max_position_embeddings, eos_ids)
+        return TargetInfo.from_hf_config(self.config)
 
     def new_cache(self, max_rows: int, capacity: int) -> HFCache:
         if max_rows != 1:
@@ -180,7 +164,7 @@ class HFTarget:
 
     @torch.inference_mode()
     def forward(self, cache: HFCache, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor,
-                tap_layers: tuple[int, ...] = (), logit_index: torch.Tensor | None = None) -> TargetOutput:
+                target_layer_ids: tuple[int, ...] = (), logit_index: torch.Tensor | None = None) -> TargetOutput:
         if input_ids.shape[0] != 1:
             raise InputError("the HF target adapter decodes one sequence at a time (batch size 1)")
         if bool((positions >= cache.dead_slot).any()):
@@ -190,13 +174,13 @@ class HFTarget:
             raise InputError(f"HF cache holds {start} tokens but the input starts at position {int(positions[0, 0])}")
         out = self.model(
             input_ids=input_ids, position_ids=positions, cache=cache.cache,
-            use_cache=True, output_hidden_states=bool(tap_layers),
+            use_cache=True, output_hidden_states=bool(target_layer_ids),
         )
         logits = out.logits
         if logit_index is not None:
             logits = torch.gather(logits, 1, logit_index[..., None].expand(-1, -1, logits.shape[-1]))
-        taps = torch.cat([out.hidden_states[i + 1] for i in tap_layers], dim=-1) if tap_layers else None
-        return TargetOutput(logits=logits, taps=taps)
+        hidden = torch.cat([out.hidden_states[i + 1] for i in target_layer_ids], dim=-1) if target_layer_ids else None
+        return TargetOutput(logits=logits, target_hidden=hidden)
 
 
 def load_target(directory: Path, backend: str = "native", dtype: torch.dtype = torch.float32):

@@ -71,7 +71,7 @@ def build_tiny_target(arch: str, seed: int = 0, dtype: torch.dtype = torch.float
     return model.eval()
 
 
-def tiny_drafter_config(target_config, num_layers: int = 1, taps: list[int] | None = None,
+def tiny_drafter_config(target_config, num_layers: int = 1, target_layer_ids: list[int] | None = None,
                         block_size: int = 8, mask_token_id: int | None = None, **overrides) -> dict:
     """A DFlash drafter config.json dict matched to `target_config`."""
     n_target = target_config.num_hidden_layers
@@ -83,7 +83,7 @@ def tiny_drafter_config(target_config, num_layers: int = 1, taps: list[int] | No
         "num_target_layers": n_target,
         "dflash_config": {
             "mask_token_id": target_config.vocab_size - 1 if mask_token_id is None else mask_token_id,
-            "target_layer_ids": taps if taps is not None else default_target_layer_ids(n_target, max(num_layers, 2)),
+            "target_layer_ids": target_layer_ids if target_layer_ids is not None else default_target_layer_ids(n_target, max(num_layers, 2)),
         },
         "hidden_size": hidden,
         "intermediate_size": 2 * hidden,

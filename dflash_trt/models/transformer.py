@@ -3,7 +3,7 @@
 transformers' models cannot serve what the DFlash runtime needs: ragged batches whose rows accept
 different numbers of tokens each step (per-row cache crop), tensor-parallel sharding across MPI
 ranks, and quantized (FP8/NVFP4) weight emulation. This module implements the three architectures
-once, with a small `ArchSpec` adapter each, over the HF parameter names (so a HF state dict loads
+once, with a small `Architecture` adapter each, over the HF parameter names (so a HF state dict loads
 with strict key checking), and is tested token-for-token against transformers (the oracle).
 
 Architectural notes (from the model cards / HF configs):
@@ -26,13 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_trt.config import TargetInfo
+from dflash_trt.engine import TargetOutput
 from dflash_trt.errors import ConfigError, InputError
-from dflash_trt.models.kv_cache import CacheSpec, RaggedKVCache
+from dflash_trt.models.kv_cache import CacheShape, RaggedKVCache
 from dflash_trt.models.layers import apply_rope, attend, attention_mask, rms_norm, rope_cos_sin
 
 
 @dataclass(frozen=True)
-class ArchSpec:
+class Architecture:
     model_type: str
     rotary_module: str  # transformers module holding the rotary embedding class
     rotary_class: str
@@ -41,10 +42,10 @@ class ArchSpec:
     moe: bool
 
 
-ARCHS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", "transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding", False, False, False),
-    "qwen3": ArchSpec("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3RotaryEmbedding", True, False, False),
-    "gpt_oss": ArchSpec("gpt_oss", "transformers.models.gpt_oss.modeling_gpt_oss", "GptOssRotaryEmbedding", False, True, True),
+ARCHS: dict[str, Architecture] = {
+    "llama": Architecture("llama", "transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding", False, False, False),
+    "qwen3": Architecture("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3RotaryEmbedding", True, False, False),
+    "gpt_oss": Architecture("gpt_oss", "transformers.models.gpt_oss.modeling_gpt_oss", "GptOssRotaryEmbedding", False, True, True),
 }
 
 
@@ -53,7 +54,7 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def arch_for(config) -> ArchSpec:
+def arch_for(config) -> Architecture:
     model_type = config.model_type
     if model_type not in ARCHS:
         raise ConfigError(
@@ -74,7 +75,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, arch: ArchSpec, layer_idx: int) -> None:
+    def __init__(self, config, arch: Architecture, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -179,7 +180,7 @@ class MoEMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, arch: ArchSpec, layer_idx: int) -> None:
+    def __init__(self, config, arch: Architecture, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, layer_idx)
         self.mlp = MoEMLP(config) if arch.moe else DenseMLP(config)
@@ -192,17 +193,11 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config, arch: ArchSpec) -> None:
+    def __init__(self, config, arch: Architecture) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    logits: torch.Tensor  # [B, K, vocab] at the requested positions
-    taps: torch.Tensor | None  # [B, T, n_taps * hidden]: outputs of the tapped layers
 
 
 class NativeCausalLM(nn.Module):
@@ -227,21 +222,12 @@ class NativeCausalLM(nn.Module):
 
     @property
     def info(self) -> TargetInfo:
-        eos = self.config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return TargetInfo(
-            architecture=self.arch.model_type,
-            num_hidden_layers=self.config.num_hidden_layers,
-            hidden_size=self.config.hidden_size,
-            vocab_size=self.config.vocab_size,
-            max_position_embeddings=self.config.max_position_embeddings,
-            eos_token_ids=eos_ids,
-        )
+        return TargetInfo.from_hf_config(self.config)
 
     def new_cache(self, max_rows: int, capacity: int) -> RaggedKVCache:
         param = self.lm_head.weight
-        spec = CacheSpec(len(self.model.layers), self.num_kv_heads, self.head_dim, capacity, param.dtype, param.device)
-        return RaggedKVCache(spec, max_rows)
+        shape = CacheShape(len(self.model.layers), self.num_kv_heads, self.head_dim, capacity, param.dtype, param.device)
+        return RaggedKVCache(shape, max_rows)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [B, T] -> [B, T, H]."""
@@ -257,14 +243,14 @@ class NativeCausalLM(nn.Module):
         rows: slice,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        tap_layers: tuple[int, ...] = (),
+        target_layer_ids: tuple[int, ...] = (),
         logit_index: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run T tokens per row, appending their K/V at their positions.
 
         input_ids, positions: [B, T]; a position equal to `cache.dead_slot` marks padding.
         logit_index: [B, K] token indices whose logits are wanted (default: all T).
-        The taps are the outputs of decoder layers `tap_layers` (HF hidden_states[id + 1]; the
+        target_hidden holds the outputs of decoder layers `target_layer_ids` (HF hidden_states[id + 1]; the
         last layer's is taken after the final norm, as HF reports it).
         """
         if input_ids.shape != positions.shape or input_ids.dim() != 2:
@@ -278,16 +264,16 @@ class NativeCausalLM(nn.Module):
         kv_end = int(positions[real].max()) + 1
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
-        taps: dict[int, torch.Tensor] = {}
+        by_layer: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, rows, positions, positions, kv_end)
-            if i in tap_layers and i != last:
-                taps[i] = x
+            if i in target_layer_ids and i != last:
+                by_layer[i] = x
         x = self.model.norm(x)
-        if last in tap_layers:
-            taps[last] = x
+        if last in target_layer_ids:
+            by_layer[last] = x
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        return TargetOutput(logits=self.lm_head(x), taps=tapped)
+        tapped = torch.cat([by_layer[i] for i in target_layer_ids], dim=-1) if target_layer_ids else None
+        return TargetOutput(logits=self.lm_head(x), target_hidden=tapped)

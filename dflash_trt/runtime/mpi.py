@@ -31,10 +31,12 @@ from typing import Callable
 
 import torch
 
-from dflash_trt.checkpoint.sharding import TPMapping
+from dflash_trt.checkpoint.mapping import Mapping
 from dflash_trt.errors import BackendUnavailableError, ConfigError, DFlashError
 from dflash_trt.runtime.tp import TPContext
-from dflash_trt.spec.decoder import DFlashEngine, Sequence, StepOutput
+from dflash_trt.engine import EngineConfig, Sequence, StepOutput
+from dflash_trt.runtime.factory import LoadConfig, TorchModels, load_tokenizer
+from dflash_trt.speculative.decoder import DFlashEngine
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,8 @@ class TPConfig:
             raise ConfigError(f"TP device must be 'cpu' or 'cuda', got '{self.device}'")
 
     @property
-    def mapping(self) -> TPMapping:
-        return TPMapping(self.tp_size, self.moe_tp_size)
+    def mapping(self) -> Mapping:
+        return Mapping(self.tp_size, self.moe_tp_size)
 
 
 @dataclass(frozen=True)
@@ -191,30 +193,29 @@ class TPSession:
                                 world_size=self.world.size, timeout=timedelta(seconds=self.config.timeout_s))
         log.info("%s torch.distributed %s up at %s:%d", self.world.tag, backend, address, port)
 
-    def load(self, spec, mapping: TPMapping | None = None):
+    def load(self, load: LoadConfig, mapping: Mapping | None = None) -> TorchModels:
         """This rank's models: the target's shard, the drafter replicated, the tokenizer."""
         from dflash_trt.config import check_drafter_matches_target
         from dflash_trt.errors import CheckpointError
         from dflash_trt.models.drafter import DTYPES, DFlashDrafter
-        from dflash_trt.runtime.loader import LoadedModels, load_tokenizer
         from dflash_trt.runtime.tp import load_tp_target
 
-        if spec.target_backend != "native":
+        if load.target_backend != "native":
             raise ConfigError("tensor parallelism runs the native target only: drop --target-backend hf")
         mapping = mapping or self.config.mapping
         if mapping.tp_size != self.world.size:
             raise ConfigError(f"mapping {mapping} does not match the {self.world.size} MPI ranks")
         self.ctx = TPContext(mapping, self.world.rank)
-        dtype = DTYPES[spec.dtype]
-        target = load_tp_target(spec.target, self.ctx, dtype, self.device)
+        dtype = DTYPES[load.dtype]
+        target = load_tp_target(load.target, self.ctx, dtype, self.device)
         drafter = None
-        if spec.drafter is not None:
-            if not spec.drafter.is_dir():
-                raise CheckpointError(f"drafter directory {spec.drafter} does not exist")
-            drafter = DFlashDrafter.from_pretrained(spec.drafter, dtype).to(self.device)
+        if load.drafter is not None:
+            if not load.drafter.is_dir():
+                raise CheckpointError(f"drafter directory {load.drafter} does not exist")
+            drafter = DFlashDrafter.from_pretrained(load.drafter, dtype).to(self.device)
             check_drafter_matches_target(drafter.cfg, target.info)
-        tokenizer = load_tokenizer(spec.target)  # every rank: stop strings are checked everywhere
-        return LoadedModels(spec=spec, target=target, drafter=drafter, tokenizer=tokenizer)
+        tokenizer = load_tokenizer(load.target)  # every rank: stop strings are checked everywhere
+        return TorchModels(load=load, target=target, drafter=drafter, tokenizer=tokenizer)
 
     def make_engine(self, target, drafter, config, detokenize=None) -> DFlashEngine:
         """The leader's broadcasting engine on rank 0, a plain engine on followers."""
@@ -302,18 +303,18 @@ def install_signal_messages(world: MPIWorld) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def tp_main(config: TPConfig, make_spec: Callable[[], object], engine_config,
+def tp_main(config: TPConfig, make_load: Callable[[], LoadConfig], engine_config: EngineConfig,
             lead: Callable[[object, DFlashEngine], int]) -> int:
-    """Run one command as a TP job: rank 0 resolves the model spec (e.g. converts the default
+    """Run one command as a TP job: rank 0 resolves the LoadConfig (e.g. converts the default
     target once) and runs `lead(models, engine)`; the other ranks follow its engine. Any failure
     on any rank aborts the whole job. Returns this rank's exit code."""
     world = discover_world(config.tp_size)  # the world size is checked before any weight is read
     install_signal_messages(world)
     session = TPSession.start(config)
     with session:
-        spec = world.comm.bcast(make_spec() if session.is_leader else None, root=0)
-        models = session.load(spec)
-        engine = session.make_engine(models.target, models.drafter if engine_config.spec else None,
+        load = world.comm.bcast(make_load() if session.is_leader else None, root=0)
+        models = session.load(load)
+        engine = session.make_engine(models.target, models.drafter if engine_config.speculative else None,
                                      engine_config, models.detokenize)
         if session.is_leader:
             code = lead(models, engine)

@@ -1,4 +1,4 @@
-"""Continuous batching over a DFlashEngine: requests join and leave between decode steps.
+"""Continuous batching over an `Engine` (dflash_trt/engine.py, either backend): requests join and leave between decode steps.
 
 One background thread owns the engine. Between steps it (1) drops cancelled requests, freeing
 their cache rows at once, (2) admits waiting requests in arrival order while a batch row is free
@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_trt.errors import DFlashError, InputError
-from dflash_trt.spec.decoder import DFlashEngine, GenerationResult, Sequence
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import Engine, GenerationResult, SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +73,18 @@ class RequestHandle:
     def get(self, timeout: float | None = None):
         return self.events.get(timeout=timeout)
 
+    def drain(self) -> list[TokenEvent | FinalEvent | ErrorEvent]:
+        """Every event queued so far, without waiting."""
+        out = []
+        while True:
+            try:
+                out.append(self.events.get_nowait())
+            except queue.Empty:
+                return out
+
 
 class Scheduler:
-    def __init__(self, engine: DFlashEngine, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig = SchedulerConfig()) -> None:
         self.engine, self.config = engine, config
         self._waiting: list[RequestHandle] = []
         self._running: dict[int, RequestHandle] = {}  # id(sequence) -> handle
@@ -166,7 +174,7 @@ class Scheduler:
             h.sequence.finish_reason = "cancelled"
             h.sequence.first_token_s = h.sequence.first_token_s or time.perf_counter()
             h.sequence.finished_s = time.perf_counter()
-            h.events.put(FinalEvent(DFlashEngine.result(h.sequence)))
+            h.events.put(FinalEvent(h.sequence.result()))
         for h in running:
             self.engine.cancel(h.sequence)
             self._finish(h)
@@ -201,7 +209,7 @@ class Scheduler:
     def _finish(self, handle: RequestHandle) -> None:
         with self._lock:
             self._running.pop(id(handle.sequence), None)
-        handle.events.put(FinalEvent(DFlashEngine.result(handle.sequence)))
+        handle.events.put(FinalEvent(handle.sequence.result()))
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -3,7 +3,7 @@
 `load_tp_target` builds the native target on the meta device, turns its modules into their
 parallel forms IN PLACE (same classes' code, same HF parameter names, local shapes), and loads
 this rank's shard (sliced from a HF checkpoint, or a pre-sharded `rank{N}.safetensors`). The
-split rules live in checkpoint/sharding.py; here are the collectives they imply:
+split rules and the rank convention (TensorRT-LLM's) live in checkpoint/mapping.py; here are the collectives they imply:
 - attention: q/k/v hold this rank's heads (the KV cache holds local kv heads only), the attention
   runs unchanged on them, and o_proj is row-parallel: partial product, all-reduce, bias once;
 - dense MLP: gate/up column-parallel, down_proj row-parallel (all-reduce, bias once);
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_trt.checkpoint.sharding import (
-    Dims, TPMapping, check_mapping, is_presharded, load_presharded_rank, load_rank_state, local_shape, read_mapping,
-)
-from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.checkpoint.mapping import Dims, Mapping, check_mapping, local_shape
+from dflash_trt.checkpoint.sharding import is_presharded, load_presharded_rank, load_rank_state, read_mapping
+from dflash_trt.errors import ConfigError
+from dflash_trt.fileio import check_state_dict
 from dflash_trt.models.transformer import Attention, DenseMLP, MoEMLP, NativeCausalLM
 
 
@@ -54,7 +54,7 @@ class CommStats:
 class TPContext:
     """What the parallel modules share: the process group, this rank, and the counters."""
 
-    mapping: TPMapping
+    mapping: Mapping
     rank: int
     group: object | None = None  # a torch.distributed ProcessGroup (None: the default group)
     stats: CommStats = field(default_factory=CommStats)
@@ -130,12 +130,12 @@ def parallelize(model: NativeCausalLM, ctx: TPContext) -> NativeCausalLM:
     """Turn a (meta-device) NativeCausalLM into rank `ctx.rank`'s part: local parameter shapes
     (still to be loaded), local head counts, and the collectives. In place; returns the model."""
     config, m, rank = model.config, ctx.mapping, ctx.rank
-    check_mapping(config, m)
+    d = Dims.of(config)
+    check_mapping(d, m)
     for name, param in list(model.named_parameters()):
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        _meta_param(owner, attr, local_shape(name, tuple(param.shape), config, m, rank))
-    d = Dims.of(config)
+        _meta_param(owner, attr, local_shape(name, tuple(param.shape), d, m, rank))
     for module in model.modules():
         if isinstance(module, Attention):
             module.num_heads = d.num_heads // m.tp_size
@@ -145,7 +145,7 @@ def parallelize(model: NativeCausalLM, ctx: TPContext) -> NativeCausalLM:
         elif isinstance(module, MoEMLP):
             module.__class__ = ParallelMoEMLP
             module.tp = ctx
-            module.expert_offset = (rank // m.moe_tp_size) * (d.num_experts // m.moe_ep_size)
+            module.expert_offset = m.moe_ep_rank(rank) * (d.num_experts // m.moe_ep_size)
         elif isinstance(module, DenseMLP):
             module.down_proj.__class__ = RowParallelLinear
             module.down_proj.tp, module.down_proj.site = ctx, "down_proj"
@@ -177,7 +177,7 @@ def load_tp_target(directory: Path, ctx: TPContext, dtype: torch.dtype, device: 
 
     directory = Path(directory)
     config = load_hf_config(directory)
-    check_mapping(config, ctx.mapping)
+    check_mapping(Dims.of(config), ctx.mapping)
     if is_presharded(directory):
         stored = read_mapping(directory)
         if stored != ctx.mapping:
@@ -192,15 +192,8 @@ def load_tp_target(directory: Path, ctx: TPContext, dtype: torch.dtype, device: 
     tied = bool(config.tie_word_embeddings)
     if tied and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise CheckpointError(f"rank {ctx.rank}'s shard of {directory} does not match a {config.model_type} model: "
-                              f"missing {missing[:5]} unexpected {extra[:5]}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != expected[name]:
-            raise CheckpointError(f"rank {ctx.rank}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                  f"expected {expected[name]} for {ctx.mapping}")
+    check_state_dict(state, model.state_dict(),
+                     f"rank {ctx.rank}'s shard of {directory} ({config.model_type}, {ctx.mapping})")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if tied:
@@ -216,4 +209,4 @@ def load_tp_target(directory: Path, ctx: TPContext, dtype: torch.dtype, device: 
 
 
 def rank_owns_moe_bias(ctx: TPContext) -> bool:
-    return ctx.rank % ctx.mapping.moe_tp_size == 0
+    return ctx.mapping.moe_tp_rank(ctx.rank) == 0

@@ -21,17 +21,16 @@ from pathlib import Path
 
 
 def run_case(session, case: dict, fail: tuple[int, int, str] | None) -> dict:
-    from dflash_trt.checkpoint.sharding import TPMapping
-    from dflash_trt.runtime.loader import ModelSpec
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.checkpoint.mapping import Mapping
+    from dflash_trt.runtime.factory import LoadConfig
+    from dflash_trt.engine import EngineConfig, SamplingParams
 
-    spec = ModelSpec(target=Path(case["target"]), drafter=Path(case["drafter"]) if case["drafter"] else None,
-                     dtype=case["dtype"])
-    mapping = TPMapping(session.world.size, case["moe_tp_size"])
-    models = session.load(spec, mapping)
+    load = LoadConfig(target=Path(case["target"]), drafter=Path(case["drafter"]) if case["drafter"] else None,
+                      dtype=case["dtype"])
+    mapping = Mapping(session.world.size, case["moe_tp_size"])
+    models = session.load(load, mapping)
     config = EngineConfig(block_size=case["block_size"], max_batch_size=max(len(case["prompts"]), 1),
-                          max_seq_len=256, spec=spec.drafter is not None)
+                          max_seq_len=256, speculative=load.drafter is not None)
     engine = session.make_engine(models.target, models.drafter, config, models.detokenize)
     if not session.is_leader:
         on_step = None

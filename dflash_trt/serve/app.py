@@ -22,14 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash_trt.errors import ContextLengthError, InputError
+from dflash_trt.prompts import chat_ids, encode_prompt
 from dflash_trt.runtime.scheduler import QueueFullError, Scheduler, TokenEvent
 from dflash_trt.serve.bridge import CancellableStream, EventBridge, RequestRun
-from dflash_trt.serve.config import ServerConfig
+from dflash_trt.serve.config import OpenAIServerConfig
 from dflash_trt.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dflash_trt.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, _Request, bad_request,
                                       parse_body)
-from dflash_trt.spec.decoder import GenerationResult
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import GenerationResult, SamplingParams
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -38,7 +38,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 @dataclass
 class ServerState:
     scheduler: Scheduler
-    config: ServerConfig
+    config: OpenAIServerConfig
     tokenizer: Any | None  # a transformers tokenizer, or None (token-id prompts only)
     detokenize: Callable[[list[int]], str] | None
     metrics: ServerMetrics
@@ -87,7 +87,7 @@ class _Api:
     def _encode(self, text: str) -> list[int]:
         if self.state.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return list(self.state.tokenizer.encode(text))
+        return encode_prompt(self.state.tokenizer, text, chat=False)
 
     def _submit(self, ids: list[int], params: SamplingParams, param: str) -> Any:
         cfg, m = self.state.config, self.state.metrics
@@ -176,9 +176,8 @@ class _Api:
         if tok is None or not tok.chat_template:
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
         try:
-            ids = list(tok.apply_chat_template(body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                                               tokenize=True, return_dict=False,
-                                               **(body.chat_template_kwargs or {})))
+            ids = chat_ids(tok, body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
+                           template_kwargs=body.chat_template_kwargs)
         except (ValueError, TypeError) as exc:  # the template's own errors (jinja raises TemplateError(Exception))
             raise bad_request(f"the chat template failed on these messages: {exc}", "messages") from exc
         run = self._start(body, ids, body.token_limit, "messages")

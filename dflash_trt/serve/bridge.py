@@ -7,11 +7,7 @@ and no thread is spent per request. A request whose client went away is `detach`
 keeps draining it until the scheduler confirms the cancel with its final event (the slot is free
 then) and hands that event to a callback (metrics).
 
-`TextStream`: incremental detokenization for streaming. Text is re-decoded from all tokens and
-only the stable part is sent: a trailing U+FFFD (an incomplete UTF-8 sequence at a byte-level
-token boundary) and the last `len(longest stop) - 1` characters (a stop string may be starting)
-are held back until more tokens or the end arrive. Stop strings are cut from the text (OpenAI
-semantics: the stop sequence is not returned), so the concatenated deltas equal the full text.
+`TextStream` (text.py): incremental detokenization with stop strings.
 
 `RequestRun`: one request in flight (its events, text, metrics, cancellation), and
 `CancellableStream`: an SSE response that cancels its request however the stream ends.
@@ -31,7 +27,8 @@ from starlette.requests import ClientDisconnect
 
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, RequestHandle, TokenEvent
 from dflash_trt.serve.schemas import APIError
-from dflash_trt.spec.decoder import GenerationResult
+from dflash_trt.serve.text import TextStream
+from dflash_trt.engine import GenerationResult
 
 log = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -90,52 +87,6 @@ class EventBridge:
             if final:
                 self._watches.pop(key, None)
                 return
-
-
-class TextStream:
-    def __init__(self, detokenize: Callable[[list[int]], str] | None, stops: tuple[str, ...] = ()) -> None:
-        self.detokenize, self.stops = detokenize, stops
-        self.tokens: list[int] = []
-        self.sent = 0  # characters already sent
-        self.stopped = False  # a stop string was found: nothing after it is ever sent
-        self._holdback = max((len(s) for s in stops), default=1) - 1
-
-    def _text(self) -> str:
-        if self.detokenize is None:
-            return ""
-        text = self.detokenize(self.tokens)
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped = True
-            return text[: min(cuts)]
-        return text
-
-    def push(self, new_tokens: list[int]) -> str:
-        """Add tokens; return the text that is now safe to send."""
-        if self.stopped:
-            return ""
-        self.tokens.extend(new_tokens)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        """The rest of the text at the end of the request."""
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        text = self._text()
-        end = len(text)
-        if not final and not self.stopped:
-            end = max(end - self._holdback, 0)
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent: end], end
-        return delta
-
-    @property
-    def text(self) -> str:
-        return self._text()
 
 
 class RequestRun:

@@ -19,13 +19,13 @@ file works here, on the torch backend:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.config import DrafterConfig, describe_validation_error, load_yaml_file
+from dflash_trt.config import DrafterConfig, load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -141,18 +141,12 @@ class ServeOverrides:
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
     ignored: tuple[str, ...] = ()  # keys parsed that have no effect on the torch backend
+    trtllm_args: dict[str, Any] = field(default_factory=dict)  # top-level keys that tune TensorRT-LLM, as given
 
 
 def parse_llm_api_config(raw: Any, where: str = "--config") -> LlmApiConfig:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a YAML mapping at the top level, got {type(raw).__name__}")
-    try:
-        return LlmApiConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(
-            exc, where, unknown_key_hint="not a trtllm-serve --config key this server supports")) from exc
+    return validate_model(LlmApiConfig, {} if raw is None else raw, where,  # an empty file sets nothing
+                          unknown_key_hint="not a trtllm-serve --config key this server supports")
 
 
 def load_llm_api_config(path: Path) -> LlmApiConfig:
@@ -173,6 +167,7 @@ def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:
         raise ConfigError(f"kv_cache_config.dtype '{kv_dtype}' (a quantized KV cache) is not supported on the "
                           "torch backend and would change results: remove it")
     ignored = [k for k in _TOP_NO_EFFECT if k in cfg.model_fields_set]
+    trtllm_args = {k: getattr(cfg, k) for k in ignored}
     kw: dict[str, Any] = dict(
         max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, max_num_tokens=cfg.max_num_tokens,
         max_input_len=cfg.max_input_len, dtype=None if cfg.dtype == "auto" else cfg.dtype,
@@ -197,8 +192,9 @@ def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:
         kw["mask_token_id"] = spec.mask_token_id
         kw["target_layer_ids"] = tuple(spec.target_layer_ids) if spec.target_layer_ids is not None else None
     if ignored:
-        log.warning("--config keys with no effect on the torch backend (ignored): %s", ", ".join(ignored))
-    return ServeOverrides(ignored=tuple(ignored), **kw)
+        log.warning("--config keys with no effect on the torch backend (ignored there; top-level ones go to "
+                    "TensorRT-LLM with --backend trtllm): %s", ", ".join(ignored))
+    return ServeOverrides(ignored=tuple(ignored), trtllm_args=trtllm_args, **kw)
 
 
 def check_against_drafter(over: ServeOverrides, drafter: DrafterConfig, where: str) -> None:
@@ -208,14 +204,14 @@ def check_against_drafter(over: ServeOverrides, drafter: DrafterConfig, where: s
                           f"was trained with {drafter.mask_token_id}: fix the file or drop the key")
     if over.target_layer_ids is not None and tuple(over.target_layer_ids) != tuple(drafter.target_layer_ids):
         raise ConfigError(f"speculative_config.target_layer_ids is {list(over.target_layer_ids)} but the drafter "
-                          f"at {where} taps {list(drafter.target_layer_ids)}: fix the file or drop the key")
+                          f"at {where} reads layers {list(drafter.target_layer_ids)}: fix the file or drop the key")
     if over.block_size is not None and over.block_size > drafter.block_size:
         log.warning("max_draft_len %d exceeds what the drafter at %s was trained for (%d): acceptance will be low",
                     over.block_size - 1, where, drafter.block_size - 1)
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class OpenAIServerConfig:
     """HTTP-level settings of the OpenAI server."""
 
     served_model_name: str

@@ -3,7 +3,7 @@
 `create_app(models, engine, scheduler_config, server_config)` builds the ASGI app over an engine
 (`models.engine(config)`, or rank 0's broadcasting engine of a TP job; the scheduler thread
 starts with the app); `serve(...)` runs it under uvicorn until interrupted. The modules behind it:
-- config.py: the trtllm-serve `--config` YAML (speculative_config and LLM-API keys) and ServerConfig;
+- config.py: the trtllm-serve `--config` YAML (speculative_config and LLM-API keys) and OpenAIServerConfig;
 - schemas.py: strict OpenAI request bodies and the OpenAI error shape;
 - app.py: routes, SSE streaming, auth, cancellation on disconnect;
 - bridge.py: scheduler events -> asyncio, incremental detokenization with stop strings;
@@ -14,18 +14,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-from dflash_trt.runtime.loader import LoadedModels
+from dflash_trt.engine import Engine
 from dflash_trt.runtime.scheduler import Scheduler, SchedulerConfig
 from dflash_trt.serve.app import ServerState, build_app
-from dflash_trt.serve.config import ServerConfig
+from dflash_trt.serve.config import OpenAIServerConfig
 from dflash_trt.serve.metrics import ServerMetrics
-from dflash_trt.spec.decoder import DFlashEngine
 
 log = logging.getLogger(__name__)
 
 
-def create_app(models: LoadedModels, engine: DFlashEngine, scheduler_config: SchedulerConfig,
-               server_config: ServerConfig):
+def create_app(models, engine: Engine, scheduler_config: SchedulerConfig,
+               server_config: OpenAIServerConfig):
     scheduler = Scheduler(engine, scheduler_config)
     metrics = ServerMetrics(num_positions=engine.block_size - 1, running=lambda: scheduler.num_running,
                             waiting=lambda: scheduler.queue_depth, model_name=server_config.served_model_name)
@@ -44,8 +43,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(models: LoadedModels, engine: DFlashEngine, scheduler_config: SchedulerConfig,
-          server_config: ServerConfig) -> int:
+def serve(models, engine: Engine, scheduler_config: SchedulerConfig,
+          server_config: OpenAIServerConfig) -> int:
     """Run the server in this thread until SIGINT/SIGTERM."""
     import uvicorn
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from dflash_trt.bench.datasets import Prompt
+from dflash_trt.prompts import Prompt
 from dflash_trt.errors import ConfigError
 
 log = logging.getLogger(__name__)

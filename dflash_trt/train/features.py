@@ -22,7 +22,7 @@ IGNORE = -100  # target id of slots past the end of a sequence
 
 
 @torch.no_grad()
-def compute_features(target, sequences: list[torch.Tensor], tap_layers: tuple[int, ...],
+def compute_features(target, sequences: list[torch.Tensor], target_layer_ids: tuple[int, ...],
                      batch_size: int = 8) -> list[torch.Tensor]:
     """Taps of positions 0..L-2 of every sequence ([L] int64 each) -> [L-1, n_taps*H] float16 each."""
     out: list[torch.Tensor] = []
@@ -39,9 +39,9 @@ def compute_features(target, sequences: list[torch.Tensor], tap_layers: tuple[in
             ids[i, : c.shape[0]] = c
             pos[i, : c.shape[0]] = torch.arange(c.shape[0])
         dev = target.device
-        res = target.forward(cache, slice(rows.start, rows.stop), ids.to(dev), pos.to(dev), tuple(tap_layers),
+        res = target.forward(cache, slice(rows.start, rows.stop), ids.to(dev), pos.to(dev), tuple(target_layer_ids),
                              logit_index=torch.zeros(len(chunk), 1, dtype=torch.long, device=dev))
-        out.extend(res.taps[i, : c.shape[0]].to(device="cpu", dtype=FEATURE_DTYPE) for i, c in enumerate(chunk))
+        out.extend(res.target_hidden[i, : c.shape[0]].to(device="cpu", dtype=FEATURE_DTYPE) for i, c in enumerate(chunk))
     return out
 
 
@@ -49,7 +49,7 @@ def compute_features(target, sequences: list[torch.Tensor], tap_layers: tuple[in
 class Batch:
     """Anchored blocks for one training step (B sequences x A anchors, padded)."""
 
-    ctx_taps: torch.Tensor  # [B, C, n_taps * H] features of positions 0..C-1 (zeros past a row's end)
+    ctx_hidden: torch.Tensor  # [B, C, n_taps * H] features of positions 0..C-1 (zeros past a row's end)
     ctx_valid: torch.Tensor  # [B, C] bool
     anchors: torch.Tensor  # [B, A] int64 block start positions s
     anchor_valid: torch.Tensor  # [B, A] bool (False: padding anchor, no loss)
@@ -83,7 +83,7 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
         chosen.append(torch.sort(perm).values + lo)
     b, a = len(samples), max(c.shape[0] for c in chosen)
     width = max(int(c.max()) for c in chosen)  # context needed: positions < the last anchor
-    feat = samples[0].taps.shape[-1]
+    feat = samples[0].target_hidden.shape[-1]
     ctx = torch.zeros(b, max(width, 1), feat, dtype=FEATURE_DTYPE)
     ctx_valid = torch.zeros(b, max(width, 1), dtype=torch.bool)
     anchors = torch.zeros(b, a, dtype=torch.long)
@@ -97,7 +97,7 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
         t_lp = torch.full((b, a, block_size - 1, k), float("-inf"))
     for i, (s, c) in enumerate(zip(samples, chosen)):
         n = int(c.max())
-        ctx[i, :n] = s.taps[:n]
+        ctx[i, :n] = s.target_hidden[:n]
         ctx_valid[i, :n] = True
         anchors[i, : c.shape[0]] = c
         anchor_valid[i, : c.shape[0]] = True

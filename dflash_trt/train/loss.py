@@ -70,23 +70,23 @@ def block_visibility(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size:
     return torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
 
 
-def train_forward(drafter: DFlashDrafter, ctx_taps: torch.Tensor, ctx_valid: torch.Tensor,
+def train_forward(drafter: DFlashDrafter, ctx_hidden: torch.Tensor, ctx_valid: torch.Tensor,
                   block_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     """The drafter over many blocks at once.
 
-    ctx_taps: [B, C, n_taps*H] features of positions 0..C-1; ctx_valid: [B, C];
+    ctx_hidden: [B, C, n_taps*H] features of positions 0..C-1; ctx_valid: [B, C];
     block_embeds: [B, A*bs, H] target embeddings of every block's slots; anchors: [B, A].
     Returns final-normed hidden states [B, A*bs, H] (apply the target's lm_head).
     """
     dtype = drafter.fc.weight.dtype
     b, q_len, _ = block_embeds.shape
     bs = q_len // anchors.shape[1]
-    c = ctx_taps.shape[1]
+    c = ctx_hidden.shape[1]
     q_pos = (anchors[:, :, None] + torch.arange(bs)).reshape(b, q_len)  # [B, Q]
     ctx_pos = torch.arange(c).expand(b, c)  # [B, C]
     rope_block = rope_cos_sin(q_pos, drafter.inv_freq, drafter.rope_scaling, dtype)
     rope_ctx = rope_cos_sin(ctx_pos, drafter.inv_freq, drafter.rope_scaling, dtype)
-    ctx = drafter.fuse(ctx_taps)
+    ctx = drafter.fuse(ctx_hidden)
     x = block_embeds.to(dtype)
     for layer in drafter.layers:
         attn = layer.self_attn
@@ -144,7 +144,7 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_we
     b, a, bs = batch.block_ids.shape
     with torch.no_grad():
         embeds = target.embed(batch.block_ids.reshape(b, a * bs))  # [B, A*bs, H]
-    hidden = train_forward(drafter, batch.ctx_taps, batch.ctx_valid, embeds, batch.anchors)
+    hidden = train_forward(drafter, batch.ctx_hidden, batch.ctx_valid, embeds, batch.anchors)
     # mask slots only, as one contiguous [N, H] matrix: the lm_head is then a single GEMM
     # (a strided 4-D input sends F.linear down a batched path ~8x slower on CPU)
     hidden = hidden.view(b, a, bs, -1)[:, :, 1:].reshape(b * a * (bs - 1), -1)  # [N, H]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.datasets import Prompt, humaneval_entry_points, load_humaneval, load_mtbench
+from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
+from dflash_trt.prompts import Prompt, encode_prompt
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.train.data import exclude_eval_overlap
 
@@ -29,15 +30,6 @@ class EncodedPrompt:
 
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "category": self.category, "kind": self.kind, "ids": list(self.ids)})
-
-
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Chat prompts through the chat template, code prompts as raw text (as the bench does)."""
-    from dflash_trt.models.default import chat_prompt_ids
-
-    if prompt.kind == "chat":
-        return chat_prompt_ids(tokenizer, prompt.text)
-    return list(tokenizer.encode(prompt.text))
 
 
 def build_mix(sources: dict[str, list[Prompt]], quotas: dict[str, int], tokenizer, *, seed: int,
@@ -56,7 +48,7 @@ def build_mix(sources: dict[str, list[Prompt]], quotas: dict[str, int], tokenize
         if taken.get(p.category, 0) >= quotas.get(p.category, 0):
             continue
         try:
-            ids = encode_prompt(tokenizer, p)
+            ids = encode_prompt(tokenizer, p.text, chat=p.kind == "chat")
         except InputError:
             continue
         if len(ids) > max_prompt_tokens or len(ids) < 2:

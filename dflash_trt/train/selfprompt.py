@@ -15,7 +15,8 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dflash_trt.bench.datasets import Prompt
+from dflash_trt.engine import SamplingParams
+from dflash_trt.prompts import Prompt
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.train.data import clean_generated_prompt, words
 
@@ -60,8 +61,6 @@ def user_header(tokenizer) -> str:
 def self_prompts_batched(engine, tokenizer, recipe: SelfPromptRecipe) -> list[Prompt]:
     """`recipe.count` unique cleaned prompts sampled from the target on `engine` (a
     speculative-off engine with max_batch_size >= recipe.batch_size)."""
-    from dflash_trt.spec.sampling import SamplingParams
-
     header = user_header(tokenizer)
     rng = random.Random(recipe.seed)
     seen: set[tuple[str, ...]] = set()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.checkpoint.hf import atomic_directory, read_state_dict, write_json
+from dflash_trt.fileio import atomic_directory, read_state_dict, write_json
 from dflash_trt.errors import CheckpointError
 
 LATEST = "latest.json"

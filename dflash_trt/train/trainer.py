@@ -33,8 +33,8 @@ from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import load_hf_config, load_native_target
 from dflash_trt.models.transformer import head_dim_of
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.runtime.factory import torch_engine
 from dflash_trt.train.features import make_batch
 from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma
 from dflash_trt.train.regen import Sample, data_key, regenerate
@@ -44,7 +44,7 @@ from dflash_trt.train.warm_start import warm_start_from_target
 log = logging.getLogger(__name__)
 
 # settings a resumed run must share with the run that wrote the checkpoint
-RESUME_FIELDS = ("target", "drafter_init", "num_layers", "tap_layers", "block_size", "intermediate_size",
+RESUME_FIELDS = ("target", "drafter_init", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
                  "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
                  "init", "kd_weight", "topk", "train_vocab")
 
@@ -57,7 +57,7 @@ class TrainConfig:
     data_dir: Path | None = None  # regeneration cache (default work_dir/data); may be shared by runs
     drafter_init: Path | None = None  # start from this drafter (its architecture wins)
     num_layers: int = 1
-    tap_layers: tuple[int, ...] | None = None  # None: 3 taps evenly spaced from layer 1 to N-3
+    target_layer_ids: tuple[int, ...] | None = None  # None: 3 taps evenly spaced from layer 1 to N-3
     block_size: int = 16
     intermediate_size: int | None = None  # None: the target's
     mask_token_id: int | None = None  # None: vocab_size - 1
@@ -129,7 +129,7 @@ class TrainState:
     wall_s: float = 0.0  # training time so far, all sessions
 
 
-def drafter_config_dict(target_config, tap_layers: tuple[int, ...], num_layers: int, block_size: int,
+def drafter_config_dict(target_config, target_layer_ids: tuple[int, ...], num_layers: int, block_size: int,
                         intermediate_size: int, mask_token_id: int, dtype: str) -> dict:
     """A DFlash drafter config.json at the target's width, heads and RoPE."""
     heads, kv = target_config.num_attention_heads, target_config.num_key_value_heads
@@ -137,7 +137,7 @@ def drafter_config_dict(target_config, tap_layers: tuple[int, ...], num_layers: 
     return {
         "architectures": [DRAFTER_ARCHITECTURE], "model_type": "qwen3", "block_size": block_size,
         "num_target_layers": target_config.num_hidden_layers,
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(tap_layers)},
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
         "hidden_size": target_config.hidden_size, "intermediate_size": intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": head_dim, "rms_norm_eps": target_config.rms_norm_eps,
@@ -164,7 +164,7 @@ def new_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
 def evaluate_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Mean acceptance length (committed tokens per verify step) of greedy DFlash on `prompts`."""
     longest = max(len(p) for p in prompts) + max_new_tokens
-    engine = DFlashEngine(target, drafter, EngineConfig(max_batch_size=len(prompts), max_seq_len=longest))
+    engine = torch_engine(target, drafter, EngineConfig(max_batch_size=len(prompts), max_seq_len=longest))
     results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
     steps = [st for r in results for st in r.steps]
     return sum(st.accepted + 1 for st in steps) / max(len(steps), 1)
@@ -193,24 +193,24 @@ class Trainer:
         if c.drafter_init is not None:
             log.info("architecture from --drafter-init %s (layer/tap/block flags are not used)", c.drafter_init)
             return DrafterConfig.load(c.drafter_init)
-        taps = c.tap_layers or tuple(default_target_layer_ids(tcfg.num_hidden_layers, 3))
+        layer_ids = c.target_layer_ids or tuple(default_target_layer_ids(tcfg.num_hidden_layers, 3))
         mask = c.mask_token_id if c.mask_token_id is not None else tcfg.vocab_size - 1
-        raw = drafter_config_dict(tcfg, taps, c.num_layers, c.block_size,
+        raw = drafter_config_dict(tcfg, layer_ids, c.num_layers, c.block_size,
                                   c.intermediate_size or tcfg.intermediate_size, mask, c.save_dtype)
         return DrafterConfig.from_dict(raw, where="training drafter config")
 
     def prepare_data(self) -> list[Sample]:
-        c, taps = self.config, self.drafter_cfg.target_layer_ids
-        key = data_key(c.target, c.max_new_tokens, taps)
+        c, layer_ids = self.config, self.drafter_cfg.target_layer_ids
+        key = data_key(c.target, c.max_new_tokens, layer_ids)
         kw = dict(key=key, max_new_tokens=c.max_new_tokens, batch_size=c.regen_batch_size,
                   max_seq_len=c.max_seq_len, progress=c.progress, topk=c.topk, lazy=True)
-        samples = regenerate(self.target, self.prompts, taps, c.data_root / f"regen-{key[:16]}", **kw)
+        samples = regenerate(self.target, self.prompts, layer_ids, c.data_root / f"regen-{key[:16]}", **kw)
         usable = [s for s in samples if s.response_len >= 2]
         if not usable:
             raise ConfigError("no regenerated response has 2 or more tokens: raise max_new_tokens")
         self.samples = usable
         if self.heldout_prompts:
-            held = regenerate(self.target, self.heldout_prompts, taps, c.data_root / f"regen-{key[:16]}", **kw)
+            held = regenerate(self.target, self.heldout_prompts, layer_ids, c.data_root / f"regen-{key[:16]}", **kw)
             self.heldout = [s for s in held if s.response_len >= 2]
         return usable
 

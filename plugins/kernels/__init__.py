@@ -1,11 +1,14 @@
 """DFlash decode-hot-path kernels: one dispatch API over a torch reference and Triton kernels.
 
-- `accept_tokens`: longest matching draft prefix per row, bonus token, next block position.
+- acceptance (longest matching draft prefix per row, bonus token, next block position): the Triton
+  kernel is `triton_accept.launch_accept`; its reference and its dispatch, `accept_tokens`, live
+  with the acceptance rule in dflash_trt/speculative/verify.py (this package never imports upward);
 - `pack_taps`: the verify forward's tapped hidden states of the committed slots, tap-major.
 - `write_context_kv`: fc + hidden_norm, then every draft layer's k_norm/RoPE'd K and V written
   into the draft caches at (row, pos).
 
-CUDA tensors take the Triton kernels; CPU tensors take the torch reference (`reference.py`).
+CUDA tensors take the Triton kernels; CPU tensors take the torch reference (`reference.py`);
+`use_triton` makes that choice for every op, the acceptance dispatch included.
 `force_triton=True` runs the Triton kernels on any device (on CPU that needs Triton's
 interpreter, enabled by the caller with TRITON_INTERPRET=1 before triton is imported: the tests
 do this). Which path ran is logged once per (op, path). `triton` is imported only when a Triton
@@ -28,16 +31,17 @@ from .contracts import (
     check_context_kv_inputs,
     check_pack_inputs,
 )
-from .reference import accept_tokens_ref, pack_taps_ref, write_context_kv_ref
+from .reference import pack_taps_ref, write_context_kv_ref
 
 __all__ = [
     "AcceptResult",
     "ContextKVWeights",
     "PackedTaps",
-    "accept_tokens",
+    "check_accept_inputs",
     "pack_taps",
     "triton_available",
     "triton_interpreting",
+    "use_triton",
     "write_context_kv",
 ]
 
@@ -68,7 +72,7 @@ def _log_once(op: str, path: str, message: str, level: int = logging.INFO) -> No
         logger.log(level, "%s: %s", op, message)
 
 
-def _use_triton(op: str, device: torch.device, force_triton: bool) -> bool:
+def use_triton(op: str, device: torch.device, force_triton: bool) -> bool:
     """Decide the path for one call: Triton on CUDA (or when forced), torch otherwise."""
     if force_triton:
         if not triton_available():
@@ -96,27 +100,6 @@ def _use_triton(op: str, device: torch.device, force_triton: bool) -> bool:
     return False
 
 
-def accept_tokens(
-    draft_tokens: torch.Tensor,  # [batch, K] int64: proposals for block slots 1..K
-    target_tokens: torch.Tensor,  # [batch, K + 1] int64: target's token at slots 0..K
-    draft_lens: torch.Tensor,  # [batch] int64: valid drafts per row, 0..K
-    start_pos: torch.Tensor,  # [batch] int64: position of block slot 0
-    *,
-    force_triton: bool = False,
-) -> AcceptResult:
-    """Batched acceptance: accepted [batch], bonus [batch], new_pos [batch] (all int64).
-
-    Inputs are validated (shape, dtype, device) before either path runs; the reference
-    validates again when called directly.
-    """
-    check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
-    if not _use_triton("accept_tokens", draft_tokens.device, force_triton):
-        return accept_tokens_ref(draft_tokens, target_tokens, draft_lens, start_pos)
-    from .triton_accept import launch_accept
-
-    return launch_accept(draft_tokens, target_tokens, draft_lens, start_pos)
-
-
 def pack_taps(
     taps: torch.Tensor,  # [n_taps, batch, T, hidden] float: tapped hidden states of the verify
     accepted: torch.Tensor,  # [batch] int64
@@ -125,7 +108,7 @@ def pack_taps(
 ) -> PackedTaps:
     """packed [batch, T, n_taps*hidden] (zero past accepted+1 slots) and counts [batch]."""
     check_pack_inputs(taps, accepted)
-    if not _use_triton("pack_taps", taps.device, force_triton):
+    if not use_triton("pack_taps", taps.device, force_triton):
         return pack_taps_ref(taps, accepted)
     from .triton_pack import launch_pack_taps
 
@@ -146,7 +129,7 @@ def write_context_kv(
 ) -> None:
     """Precompute and store every draft layer's context K (k_norm + RoPE) and V."""
     check_context_kv_inputs(feats, rows, pos, weights, inv_freq, k_cache, v_cache)
-    if not _use_triton("write_context_kv", feats.device, force_triton):
+    if not use_triton("write_context_kv", feats.device, force_triton):
         write_context_kv_ref(feats, rows, pos, weights, inv_freq, k_cache, v_cache,
                              attention_scaling)
         return

@@ -1,4 +1,7 @@
-"""Pure-torch references for the DFlash decode-hot-path kernels (the numerical oracle).
+"""Pure-torch references for the DFlash decode-hot-path kernels (the numerical oracle), and the
+primitives they share with the models (rms_norm, rope_cos_sin, rotate_half: models/layers.py uses
+these). The acceptance rule's reference is dflash_trt/speculative/verify.py (accept_prefix), which
+also dispatches the acceptance kernel.
 
 Glossary (DFlash paper, arXiv 2602.06036): a block has K + 1 slots; slot 0 holds the last
 committed token, slots 1..K the drafter's proposals. The target verifies the block and picks a
@@ -9,29 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.models.layers import rms_norm, rope_cos_sin
-from dflash_trt.spec.verify import accept_prefix  # the one implementation of the acceptance rule
-
-from .contracts import (
-    AcceptResult,
-    ContextKVWeights,
-    PackedTaps,
-    check_accept_inputs,
-    check_context_kv_inputs,
-    check_pack_inputs,
-)
+from .contracts import ContextKVWeights, PackedTaps, check_context_kv_inputs, check_pack_inputs
 
 
-def accept_tokens_ref(
-    draft_tokens: torch.Tensor,  # [batch, K] int64: proposals for block slots 1..K
-    target_tokens: torch.Tensor,  # [batch, K + 1] int64: target's token at slots 0..K
-    draft_lens: torch.Tensor,  # [batch] int64: valid drafts per row, 0..K
-    start_pos: torch.Tensor,  # [batch] int64: position of block slot 0
-) -> AcceptResult:
-    """Longest matching prefix per row, the bonus token after it, and the next start position."""
-    check_accept_inputs(draft_tokens, target_tokens, draft_lens, start_pos)
-    acc = accept_prefix(draft_tokens, target_tokens, draft_lens)
-    return AcceptResult(accepted=acc.accepted, bonus=acc.bonus, new_pos=start_pos + acc.accepted + 1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D]; weight: [D]. Computed in float32 like the HF reference, cast back."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [B, T] -> cos, sin: [B, T, D] (frequencies duplicated over both halves)."""
+    freqs = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def pack_taps_ref(
@@ -45,11 +48,6 @@ def pack_taps_ref(
     keep = torch.arange(t, device=taps.device)[None, :] < counts[:, None]  # [batch, T]
     packed = packed.masked_fill(~keep[:, :, None], 0)
     return PackedTaps(packed=packed, counts=counts)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def context_features(

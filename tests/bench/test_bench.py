@@ -133,7 +133,7 @@ class _BrokenMode(bench_modes.EngineMode):
     """Autoregressive decoding whose fourth token is altered: a 'speedup' over a different output."""
 
     def __init__(self, name, ctx):
-        super().__init__(name, ctx, spec=False)
+        super().__init__(name, ctx, speculative=False)
 
     def run(self, prompt, max_new_tokens):
         out = super().run(prompt, max_new_tokens)

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from dflash_trt.cli import main
-from dflash_trt.models.default import chat_prompt_ids
+from dflash_trt.prompts import chat_prompt_ids
 from dflash_trt.models.tiny import save_tiny_checkpoint
-from dflash_trt.runtime.loader import ModelSpec, load_models
+from dflash_trt.runtime.factory import LoadConfig, load_torch
 from dflash_trt.runtime.scheduler import FinalEvent, Scheduler, TokenEvent
-from dflash_trt.spec.decoder import EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
 
 KEY = "sk-test"
 MODEL = "tiny-dflash"
@@ -76,7 +75,7 @@ def _handler(models, scheduler, seen):
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_endpoint")
     target, drafter = save_tiny_checkpoint(root, "llama", seed=1, block_size=4)
-    models = load_models(ModelSpec(Path(target), Path(drafter), dtype="float64"))
+    models = load_torch(LoadConfig(Path(target), Path(drafter), dtype="float64"))
     scheduler = Scheduler(models.engine(EngineConfig(max_batch_size=4, max_seq_len=900))).start()
     seen = []  # GenerationResults the server returned
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(models, scheduler, seen))

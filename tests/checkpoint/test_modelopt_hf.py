@@ -13,7 +13,7 @@ from dflash_trt.checkpoint.provenance import METADATA_KEY, read_provenance
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_target
-from dflash_trt.quant.calibrate import calibrate_target, calibration_prompts, modelopt_calibrate
+from dflash_trt.builder.calibration import calibrate_target, calibration_prompts, modelopt_calibrate
 
 pytest.importorskip("modelopt.torch.quantization")
 

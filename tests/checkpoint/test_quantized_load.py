@@ -8,10 +8,10 @@ import torch
 from dflash_trt.checkpoint import modelopt_hf, trtllm_legacy
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
-from dflash_trt.quant.calibrate import calibrate_drafter, calibrate_target, calibration_prompts
+from dflash_trt.builder.calibration import calibrate_drafter, calibrate_target, calibration_prompts
 from dflash_trt.quant.linear import QuantLinear
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 
 # relative Frobenius error of a dequantized Gaussian-like weight (E4M3: 3 mantissa bits; E2M1 + block scales)
 BOUND = {"FP8": 0.04, "NVFP4": 0.15}
@@ -48,7 +48,7 @@ def test_modelopt_hf_target_and_drafter_load_and_generate(tmp_path, arch):
         out = DFlashEngine(qt, qd, EngineConfig(max_seq_len=64)).generate([prompts[0]], PARAMS)[0]
         assert len(out.tokens) == PARAMS.max_new_tokens
         if algo == "NVFP4":  # speculative decoding stays lossless w.r.t. the quantized target itself
-            auto = DFlashEngine(qt, None, EngineConfig(max_seq_len=64, spec=False)).generate([prompts[0]], PARAMS)[0]
+            auto = DFlashEngine(qt, None, EngineConfig(max_seq_len=64, speculative=False)).generate([prompts[0]], PARAMS)[0]
             assert out.tokens == auto.tokens
         report[algo] = _first_divergence(ref.tokens, out.tokens)
     print(f"\n{arch}: greedy tokens before first divergence from unquantized (of 8): {report}")
@@ -62,7 +62,7 @@ def test_legacy_tp2_merged_generates_like_the_modelopt_checkpoint(tmp_path, algo
     legacy = trtllm_legacy.load_merged(trtllm_legacy.write_checkpoint(target, tmp_path / "l", algo, cal, tp=2,
                                                                       dtype="float32"))
     prompt = calibration_prompts(1, vocab_size=256, seed=3, length=10)[0]
-    cfg = EngineConfig(max_seq_len=64, spec=False)
+    cfg = EngineConfig(max_seq_len=64, speculative=False)
     out = DFlashEngine(legacy, None, cfg).generate([prompt], PARAMS)[0]
     assert len(out.tokens) == PARAMS.max_new_tokens
     if algo == "NVFP4":  # NVFP4 shares scales per fused group in both formats: identical weights
@@ -77,7 +77,7 @@ def test_fp8_greedy_mostly_matches_unquantized(tmp_path):
     prompts = calibration_prompts(4, vocab_size=256, seed=1, length=12)
     cal = calibrate_target(target, prompts)
     qt = modelopt_hf.load_target(modelopt_hf.write_target(target, tmp_path / "f", "FP8", cal))
-    cfg = EngineConfig(max_seq_len=64, spec=False, max_batch_size=4)
+    cfg = EngineConfig(max_seq_len=64, speculative=False, max_batch_size=4)
     ref = DFlashEngine(target, None, cfg).generate(prompts, PARAMS)
     out = DFlashEngine(qt, None, cfg).generate(prompts, PARAMS)
     same = sum(a == b for r, o in zip(ref, out) for a, b in zip(r.tokens, o.tokens))
@@ -110,4 +110,4 @@ def test_quantize_command_writes_loadable_checkpoints(tmp_path, capsys):
     assert "no calibration data" in capsys.readouterr().err
     assert main(["quantize", "--target", str(target_dir), "--algo", "fp8", "--format", "trtllm-legacy",
                  "--tp", "3", "--output", str(tmp_path / "e")]) == 2
-    assert "tp_size 3 must divide" in capsys.readouterr().err
+    assert "tp 3 does not divide" in capsys.readouterr().err

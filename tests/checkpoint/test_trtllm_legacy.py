@@ -78,7 +78,7 @@ def test_quantized_shards_merge_to_one_shared_scale_per_fused_group(tmp_path, mo
 
 def test_bad_sizes_and_broken_checkpoints(tmp_path, models):
     target, _ = models["llama"]
-    with pytest.raises(ConfigError, match="tp_size 3 must divide"):
+    with pytest.raises(ConfigError, match="tp 3 does not divide"):
         tl.write_checkpoint(target, tmp_path / "x", None, tp=3)
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         tl.write_checkpoint(target, tmp_path / "x", None, tp=2, ep=2)

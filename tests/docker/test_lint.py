@@ -40,10 +40,10 @@ def test_shellcheck_slurm(script):
 
 
 def test_shellcheck_generated_launch_scripts(tmp_path):
-    from dflash_trt.build.config import load_build_config
-    from dflash_trt.build.deploy import write_launch
-    from dflash_trt.build.plan import make_plan
-    from dflash_trt.build.sources import Sources
+    from dflash_trt.builder.config import load_build_config
+    from dflash_trt.builder.deploy import write_launch
+    from dflash_trt.builder.plan import make_plan
+    from dflash_trt.builder.sources import Sources
 
     cfg = load_build_config(ROOT / "build_configs" / "gpt-oss-120b_dgx-b300_tp8_nvfp4.yaml")
     src = Sources(Path("/models/t"), Path("/models/d"), False, False, None, None)

@@ -9,14 +9,9 @@ import os
 import pytest
 import torch
 
-from plugins.kernels import (
-    ContextKVWeights,
-    accept_tokens,
-    pack_taps,
-    triton_available,
-    write_context_kv,
-)
-from plugins.kernels.reference import accept_tokens_ref, pack_taps_ref, write_context_kv_ref
+from dflash_trt.speculative.verify import accept_tokens, accept_tokens_ref
+from plugins.kernels import ContextKVWeights, pack_taps, triton_available, write_context_kv
+from plugins.kernels.reference import pack_taps_ref, write_context_kv_ref
 
 pytestmark = [
     pytest.mark.gpu,

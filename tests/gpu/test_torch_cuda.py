@@ -6,8 +6,8 @@ import torch
 
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import TINY_ARCHS, build_tiny_drafter, build_tiny_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

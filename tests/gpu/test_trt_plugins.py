@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from plugins.kernels.reference import accept_tokens_ref, pack_taps_ref
+from dflash_trt.speculative.verify import accept_tokens_ref
+from plugins.kernels.reference import pack_taps_ref
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,6 @@
-"""TensorRT-LLM's LLM API with DFlash equals our torch oracle (greedy). Skipped without TensorRT-LLM
-and CUDA: it has never been executed in this project's CI."""
+"""The real TensorRT-LLM behind the engine seam equals our torch oracle (greedy), through the factory and
+through the scheduler. Skipped without TensorRT-LLM and CUDA: it has never been executed in this
+project's CI (tests/runtime/test_backends.py runs the same contract against a stand-in LLM)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,26 +8,34 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("tensorrt_llm") is None or not torch.cuda.is_available(),
-    reason="needs TensorRT-LLM and a CUDA GPU",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None or not torch.cuda.is_available(),
+                       reason="needs TensorRT-LLM and a CUDA GPU"),
+]
 
 
 def test_trtllm_dflash_matches_torch_oracle(tmp_path):
+    from dflash_trt.engine import EngineConfig, SamplingParams
     from dflash_trt.models.tiny import save_tiny_checkpoint
-    from dflash_trt.runtime.loader import ModelSpec, load_models
-    from dflash_trt.runtime.trtllm_engine import TrtllmEngine, TrtllmSpec
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.runtime.factory import LoadConfig, load_backend
+    from dflash_trt.runtime.scheduler import FinalEvent, Scheduler
 
     target, drafter = save_tiny_checkpoint(tmp_path, "llama", block_size=8, max_position_embeddings=512)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompt = [3, 80, 81, 82]
-    oracle = load_models(ModelSpec(target=target, drafter=drafter)).engine(EngineConfig(max_seq_len=256))
+    config = EngineConfig(max_seq_len=256, max_batch_size=2)
+    oracle = load_backend("torch", LoadConfig(target, drafter)).engine(config)
     expected = oracle.generate([prompt], params)[0].tokens
-    engine = TrtllmEngine(TrtllmSpec(target=target, drafter=drafter, max_seq_len=256))
+    engine = load_backend("trtllm", LoadConfig(target, drafter)).engine(config)
     try:
+        assert engine.speculative and engine.block_size == 8
         assert engine.generate([prompt], params)[0].tokens == expected
+        scheduler = Scheduler(engine)
+        handle = scheduler.submit(prompt, params)
+        for _ in range(64):
+            scheduler.run_once()
+        events = handle.drain()
+        assert isinstance(events[-1], FinalEvent) and events[-1].result.tokens == expected
     finally:
         engine.shutdown()

@@ -64,7 +64,7 @@ def target_cfg():
 @pytest.mark.parametrize("layers,taps", [(1, [1, 3]), (2, [0, 2, 5]), (3, [4])])
 def test_cached_forward_matches_naive_computation(target_cfg, layers, taps):
     """Context fed in two pieces through the cache (as the loop does) == one naive pass."""
-    drafter = build_tiny_drafter(target_cfg, seed=layers, dtype=torch.float64, num_layers=layers, taps=taps)
+    drafter = build_tiny_drafter(target_cfg, seed=layers, dtype=torch.float64, num_layers=layers, target_layer_ids=taps)
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(9, len(taps) * 64, generator=g, dtype=torch.float64)
     blocks = [torch.randn(8, 64, generator=g, dtype=torch.float64) for _ in range(2)]
@@ -82,7 +82,7 @@ def test_matches_upstream_reference_package(target_cfg):
     upstream = pytest.importorskip("dflash.model")
     from transformers import Qwen3Config
 
-    drafter = build_tiny_drafter(target_cfg, seed=7, dtype=torch.float64, num_layers=2, taps=[1, 4])
+    drafter = build_tiny_drafter(target_cfg, seed=7, dtype=torch.float64, num_layers=2, target_layer_ids=[1, 4])
     fields = {k: v for k, v in drafter.cfg.raw.items() if k != "architectures"}
     ref = upstream.DFlashDraftModel(Qwen3Config(**fields)).to(torch.float64).eval()
     ref.load_state_dict(drafter.state_dict(), strict=True)
@@ -98,7 +98,7 @@ def test_matches_upstream_reference_package(target_cfg):
 
 
 def test_sliding_window_layers(target_cfg):
-    raw = tiny_drafter_config(target_cfg, num_layers=2, taps=[1, 3], layer_types=["sliding_attention", "full_attention"],
+    raw = tiny_drafter_config(target_cfg, num_layers=2, target_layer_ids=[1, 3], layer_types=["sliding_attention", "full_attention"],
                               sliding_window=4)
     cfg = DrafterConfig.from_dict(raw)
     drafter = DFlashDrafter(cfg).to(torch.float64)
@@ -112,7 +112,7 @@ def test_sliding_window_layers(target_cfg):
 
 
 def test_checkpoint_round_trip_is_bit_exact(tmp_path, target_cfg):
-    drafter = build_tiny_drafter(target_cfg, seed=5, num_layers=2, taps=[1, 3])
+    drafter = build_tiny_drafter(target_cfg, seed=5, num_layers=2, target_layer_ids=[1, 3])
     src = drafter.save_pretrained(tmp_path / "a", dtype=torch.bfloat16)
     loaded = DFlashDrafter.from_pretrained(src)  # computes in float32
     again = loaded.save_pretrained(tmp_path / "b")
@@ -129,7 +129,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path, target_cfg):
 
 
 def test_bad_checkpoints_raise_checkpoint_errors(tmp_path, target_cfg):
-    src = build_tiny_drafter(target_cfg, seed=6, num_layers=1, taps=[1, 3]).save_pretrained(tmp_path / "d")
+    src = build_tiny_drafter(target_cfg, seed=6, num_layers=1, target_layer_ids=[1, 3]).save_pretrained(tmp_path / "d")
     tensors = load_file(str(src / "model.safetensors"))
     del tensors["layers.0.mlp.up_proj.weight"]
     save_file(tensors, str(src / "model.safetensors"))
@@ -163,7 +163,7 @@ def test_bad_configs_raise_config_errors(target_cfg, change, match):
 
 
 def test_drafter_target_mismatch_errors(target_cfg):
-    cfg = DrafterConfig.from_dict(tiny_drafter_config(target_cfg, taps=[1, 5]))
+    cfg = DrafterConfig.from_dict(tiny_drafter_config(target_cfg, target_layer_ids=[1, 5]))
     ok = TargetInfo("qwen3", 6, 64, 256, 1024, (2,))
     check_drafter_matches_target(cfg, ok)
     with pytest.raises(ConfigError, match="hidden_size"):
@@ -175,7 +175,7 @@ def test_drafter_target_mismatch_errors(target_cfg):
 
 
 def test_feature_width_mismatch_is_an_input_error(target_cfg):
-    drafter = build_tiny_drafter(target_cfg, num_layers=1, taps=[1, 3])
+    drafter = build_tiny_drafter(target_cfg, num_layers=1, target_layer_ids=[1, 3])
     cache = drafter.new_cache(1, 16)
     cache.add_rows(1)
     with pytest.raises(InputError, match="features have width"):
@@ -187,7 +187,7 @@ def test_feature_width_mismatch_is_an_input_error(target_cfg):
 def test_fused_context_path_equals_module_path(target_cfg):
     """The fused context K/V op (plugins.kernels; its torch reference on CPU, Triton on CUDA)
     writes the same cache as the drafter's own layers, padding rows included."""
-    drafter = build_tiny_drafter(target_cfg, seed=9, num_layers=2, taps=[1, 3])
+    drafter = build_tiny_drafter(target_cfg, seed=9, num_layers=2, target_layer_ids=[1, 3])
     g = torch.Generator().manual_seed(4)
     taps = torch.randn(2, 5, 128, generator=g)
     slots = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 16, 16]])  # row 1: two padding entries (dead slot 16)

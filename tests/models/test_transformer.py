@@ -35,7 +35,7 @@ def test_logits_and_taps_match_transformers_in_chunks(pair):
     for lo, hi in ((0, 11), (11, 12), (12, 23)):
         out = native.forward(cache, slice(0, 2), ids[:, lo:hi], pos[:, lo:hi], TAPS)
         logits.append(out.logits)
-        taps.append(out.taps)
+        taps.append(out.target_hidden)
     torch.testing.assert_close(torch.cat(logits, 1), ref_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(taps, 1), ref_taps, atol=1e-5, rtol=1e-5)
 
@@ -78,7 +78,7 @@ def test_hf_adapter_matches_transformers(pair):
     out = target.forward(cache, slice(0, 1), ids, torch.arange(12)[None], TAPS)
     ref_logits, ref_taps = _hf_reference(hf, ids)
     torch.testing.assert_close(out.logits, ref_logits)
-    torch.testing.assert_close(out.taps, ref_taps)
+    torch.testing.assert_close(out.target_hidden, ref_taps)
     cache.crop(torch.tensor([7]))
     out2 = target.forward(cache, slice(0, 1), ids[:, 7:9], torch.tensor([[7, 8]]), TAPS)
     torch.testing.assert_close(out2.logits, ref_logits[:, 7:9], atol=1e-6, rtol=1e-6)

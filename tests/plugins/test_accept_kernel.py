@@ -6,8 +6,7 @@ import torch
 from kernel_cases import i64, needs_interpreter
 
 from dflash_trt.errors import InputError
-from plugins.kernels import accept_tokens
-from plugins.kernels.reference import accept_tokens_ref
+from dflash_trt.speculative.verify import accept_tokens, accept_tokens_ref  # the dispatch lives with the rule
 
 # name, draft [B, K], target [B, K + 1], draft_lens [B], expected accepted [B]
 CASES = [

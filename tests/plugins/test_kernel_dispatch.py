@@ -13,6 +13,7 @@ from kernel_cases import i64, needs_interpreter
 
 import plugins.kernels as kernels
 from dflash_trt.errors import BackendUnavailableError
+from dflash_trt.speculative.verify import accept_tokens  # the acceptance dispatch lives with the rule
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,8 @@ def _accept_args():
 def test_cpu_tensors_take_reference_and_log_once(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_logged", set())
     with caplog.at_level(logging.INFO, logger="plugins.kernels"):
-        kernels.accept_tokens(*_accept_args())
-        out = kernels.accept_tokens(*_accept_args())
+        accept_tokens(*_accept_args())
+        out = accept_tokens(*_accept_args())
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["accept_tokens: torch reference on cpu"]
     assert out.accepted.tolist() == [1] and out.bonus.tolist() == [3] and out.new_pos.tolist() == [7]
@@ -35,7 +36,7 @@ def test_cpu_tensors_take_reference_and_log_once(caplog, monkeypatch):
 def test_force_triton_logs_triton_path(caplog, monkeypatch):
     monkeypatch.setattr(kernels, "_logged", set())
     with caplog.at_level(logging.INFO, logger="plugins.kernels"):
-        kernels.accept_tokens(*_accept_args(), force_triton=True)
+        accept_tokens(*_accept_args(), force_triton=True)
     assert [r.getMessage() for r in caplog.records] == [
         "accept_tokens: Triton kernel (forced) on cpu"]
 
@@ -51,7 +52,7 @@ def test_force_triton_on_cpu_without_interpreter_says_so():
     code = (
         "import os, torch, triton; os.environ['TRITON_INTERPRET'] = '1'\n"
         "from dflash_trt.errors import BackendUnavailableError\n"
-        "from plugins.kernels import accept_tokens\n"
+        "from dflash_trt.speculative.verify import accept_tokens\n"
         "t = torch.tensor([[1, 2, 3]])\n"
         "try:\n"
         "    accept_tokens(t[:, :2], t, torch.tensor([2]), torch.tensor([0]), force_triton=True)\n"

@@ -18,8 +18,8 @@ from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
 from dflash_trt.runtime.scheduler import (ErrorEvent, FinalEvent, QueueFullError, Scheduler, SchedulerClosedError,
                                           SchedulerConfig,
                                           TokenEvent)
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 
 VOCAB = 64
 BLOCK = 4

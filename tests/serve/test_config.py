@@ -72,7 +72,7 @@ def test_keys_without_effect_are_listed_in_one_warning(caplog):
     assert len(warnings) == 1 and "speculative_config.max_concurrency" in warnings[0].getMessage()
 
 
-def test_mask_token_and_taps_must_match_the_drafter(tiny_checkpoint):
+def test_mask_token_and_target_layer_ids_must_match_the_drafter(tiny_checkpoint):
     drafter = DrafterConfig.load(tiny_checkpoint[1])
     check_against_drafter(ServeOverrides(mask_token_id=drafter.mask_token_id,
                                          target_layer_ids=drafter.target_layer_ids), drafter, "d")

@@ -69,6 +69,31 @@ def test_chat_streaming_and_not_agree(client, server):
     assert again.choices[0].model_extra["token_ids"] == resp.choices[0].model_extra["token_ids"]
 
 
+def test_cli_server_and_triton_encode_a_chat_prompt_to_the_same_ids(client, server, tiny_checkpoint):
+    """One encoder (dflash_trt.prompts) behind `generate --chat`, /v1/chat/completions and the Triton
+    model's `chat: true`; the server's ids come back with return_token_ids."""
+    from dflash_trt.commands.generate import prompt_ids
+    from dflash_trt.engine import SamplingParams
+    from dflash_trt.runtime.factory import LoadConfig, load_backend
+    from dflash_trt.serve.triton.backends import ModelBackend
+    from dflash_trt.serve.triton.settings import TritonSettings
+
+    text = "Write a haiku about tensors."
+    target, drafter = tiny_checkpoint
+    cli_ids = prompt_ids(load_backend("torch", LoadConfig(target, drafter)), text, None, chat=True)
+    resp = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": text}],
+                                          max_completion_tokens=1, extra_body=EXT, **GREEDY)
+    settings = TritonSettings.from_dict({"target": str(target), "drafter": str(drafter), "chat": True,
+                                         "engine": {"max_batch_size": 1, "max_seq_len": 64}}, "test")
+    triton = ModelBackend(settings)
+    try:
+        triton_ids = triton.submit(text, SamplingParams(max_new_tokens=1), None).sequence.prompt
+    finally:
+        triton.shutdown()
+    assert cli_ids == resp.model_extra["prompt_token_ids"] == triton_ids
+    assert cli_ids[0] == 3 and len(cli_ids) > len(text.encode()) // 2  # the template's turn markers, then the text
+
+
 def test_stop_strings_and_seeded_sampling(client, server):
     ref = server.reference["text"]
     stop = ref[6:8]
@@ -150,11 +175,16 @@ def test_metrics_add_up(client, server):
         assert rate == pytest.approx(per_pos[i] / drafts)
 
 
-def test_loadtest_script_against_the_server(server):
-    from dflash_trt.bench.loadtest import percentile, run_load
+def test_endpoint_load_generation_against_the_server(server):
+    """bench/endpoint.py, the one OpenAI load client: 8 streamed requests at concurrency 4, ignore_eos."""
+    from dflash_trt.bench.endpoint import EndpointConfig, run_endpoint_sweep
+    from dflash_trt.prompts import Prompt
 
-    report = asyncio.run(run_load(server.url, requests=8, concurrency=4, max_tokens=8, api_key=API_KEY))
-    assert report.errors == 0 and report.output_tokens == 64
-    assert 0 < report.ttft_p50_s <= report.ttft_p99_s and 0 <= report.itl_p50_s <= report.itl_p99_s
-    assert report.mean_acceptance_length >= 1.0
-    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and percentile([3.0, 1.0, 2.0, 4.0], 99) == 4.0
+    prompts = [Prompt(f"p{i}", "load", f"Request {i}: a story about {i}.", "code") for i in range(8)]
+    cfg = EndpointConfig(url=server.url, api_key=API_KEY, ignore_eos=True)
+    points, errors, model = run_endpoint_sweep(cfg, prompts, [4], 8)
+    (point,) = points
+    assert errors == [] and model == server.model
+    assert point["requests"] == 8 and point["tokens"] == 64 and point["token_count_source"] == "usage"
+    assert 0 < point["ttft_s"]["p50"] <= point["ttft_s"]["p99"] and 0 <= point["itl_s"]["p50"] <= point["itl_s"]["p99"]
+    assert point["tau"] >= 1.0

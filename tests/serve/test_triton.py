@@ -226,12 +226,11 @@ def test_http_generate_and_generate_stream(triton, capsys):
 def test_concurrent_clients_all_complete(triton):
     import torch
 
-    from dflash_trt.runtime.loader import ModelSpec, load_models
-    from dflash_trt.spec.decoder import EngineConfig
-    from dflash_trt.spec.sampling import SamplingParams
+    from dflash_trt.runtime.factory import LoadConfig, load_torch
+    from dflash_trt.engine import EngineConfig, SamplingParams
 
     prompts = [f"client {i}: {'abc' * i}" for i in range(6)]
-    models = load_models(ModelSpec(target=triton.target, drafter=triton.drafter, dtype="float64"))
+    models = load_torch(LoadConfig(target=triton.target, drafter=triton.drafter, dtype="float64"))
     engine = models.engine(EngineConfig(max_seq_len=MAX_SEQ_LEN, max_batch_size=1))
     with torch.inference_mode(), one_thread():
         expected = [models.detokenize(engine.generate([models.tokenizer.encode(p)], SamplingParams(max_new_tokens=20))[0].tokens)

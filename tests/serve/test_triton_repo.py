@@ -13,8 +13,9 @@ import yaml
 
 from dflash_trt import cli
 from dflash_trt.errors import ConfigError, InputError
-from dflash_trt.serve.triton.protocol import FinalStats, TextStream, output_arrays, parse_request
-from dflash_trt.serve.triton.spec import TritonModelSpec
+from dflash_trt.serve.text import TextStream
+from dflash_trt.serve.triton.protocol import FinalStats, output_arrays, parse_request
+from dflash_trt.serve.triton.settings import TritonSettings
 
 # TensorRT-LLM's llmapi Triton model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt):
 # name -> (data type, dims, optional) for the tensors we serve.
@@ -63,9 +64,9 @@ def test_config_pbtxt_is_a_valid_triton_config_with_the_upstream_tensors(ckpt, t
     assert {i.name: (dtype(i.data_type), list(i.dims), i.optional) for i in cfg.input} == UPSTREAM_INPUTS
     assert {o.name: (dtype(o.data_type), list(o.dims)) for o in cfg.output} == UPSTREAM_OUTPUTS
     spec_path = tmp_path / "repo/m1" / cfg.parameters["dflash_model_yaml"].string_value
-    spec = TritonModelSpec.load(spec_path)
+    spec = TritonSettings.load(spec_path)
     assert Path(spec.target) == ckpt[0].resolve() and Path(spec.drafter) == ckpt[1].resolve()
-    assert spec.backend == "torch" and spec.engine.spec and spec.model_name == "m1"
+    assert spec.backend == "torch" and spec.engine.speculative and spec.model_name == "m1"
     assert "TritonPythonModel" in (tmp_path / "repo/m1/1/model.py").read_text()
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["m1"], "no staging folders left behind"
 
@@ -73,9 +74,9 @@ def test_config_pbtxt_is_a_valid_triton_config_with_the_upstream_tensors(ckpt, t
 def test_existing_model_needs_force(ckpt, tmp_path):
     assert write(ckpt, tmp_path, "--max-batch-size", "2") == 0
     assert write(ckpt, tmp_path, "--max-batch-size", "3") == 2
-    assert TritonModelSpec.load(tmp_path / "dflash/1/model.yaml").engine.max_batch_size == 2
+    assert TritonSettings.load(tmp_path / "dflash/1/model.yaml").engine.max_batch_size == 2
     assert write(ckpt, tmp_path, "--max-batch-size", "3", "--force") == 0
-    assert TritonModelSpec.load(tmp_path / "dflash/1/model.yaml").engine.max_batch_size == 3
+    assert TritonSettings.load(tmp_path / "dflash/1/model.yaml").engine.max_batch_size == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dflash"]
 
 
@@ -87,7 +88,7 @@ def test_config_yaml_with_relative_paths_and_flag_overrides(ckpt, tmp_path):
                                    "drafter": str(drafter), "dtype": "float64",
                                    "engine": {"max_batch_size": 5, "block_size": 3}}))
     assert cli.main(["triton-repo", "--config", str(cfg), "--output", str(tmp_path / "repo"), "--max-seq-len", "300"]) == 0
-    spec = TritonModelSpec.load(tmp_path / "repo/fromyaml/1/model.yaml")
+    spec = TritonSettings.load(tmp_path / "repo/fromyaml/1/model.yaml")
     assert Path(spec.target) == target.resolve() and spec.dtype == "float64"
     assert spec.engine.max_batch_size == 5 and spec.engine.block_size == 3  # from the YAML
     assert spec.engine.max_seq_len == 300  # the flag given on the command line wins
@@ -99,11 +100,11 @@ def test_config_yaml_errors_are_typed(ckpt, tmp_path, capsys):
     assert cli.main(["triton-repo", "--config", str(cfg), "--output", str(tmp_path / "repo")]) == 2
     assert "engine.max_batchsize" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no tokenizer"):
-        TritonModelSpec(target=str(ckpt[1]), drafter=str(ckpt[1])).check_paths()
+        TritonSettings(target=str(ckpt[1]), drafter=str(ckpt[1])).check_paths()
     with pytest.raises(ConfigError, match="no drafter"):
-        TritonModelSpec(target=str(ckpt[0])).check_paths()
+        TritonSettings(target=str(ckpt[0])).check_paths()
     with pytest.raises(ConfigError, match="backend"):
-        TritonModelSpec.from_dict({"target": "x", "backend": "vllm"}, "spec")
+        TritonSettings.from_dict({"target": "x", "backend": "vllm"}, "spec")
 
 
 def _text(s) -> np.ndarray:
@@ -168,12 +169,12 @@ def test_final_outputs_and_acceptance_rate():
 
 
 def test_launcher_checks(tmp_path):
-    from dflash_trt.serve.triton.launcher import ServerConfig, TritonServer, server_env
+    from dflash_trt.serve.triton.launcher import TritonServerConfig, TritonServer, server_env
 
     with pytest.raises(ConfigError, match="ports must differ"):
-        ServerConfig(repository=tmp_path, server_dir=tmp_path, log_file=tmp_path / "log", http_port=9000, grpc_port=9000)
+        TritonServerConfig(repository=tmp_path, server_dir=tmp_path, log_file=tmp_path / "log", http_port=9000, grpc_port=9000)
     with pytest.raises(ConfigError, match="not a model repository"):
-        TritonServer(ServerConfig(repository=tmp_path, server_dir=tmp_path, log_file=tmp_path / "log"), {})
+        TritonServer(TritonServerConfig(repository=tmp_path, server_dir=tmp_path, log_file=tmp_path / "log"), {})
     pytest.importorskip("pytriton", reason="nvidia-pytriton is not installed")
     env = server_env({"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"})
     assert env["PATH"].split(":")[:2] == [str(Path(sys.executable).parent), "/usr/bin"]

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from dflash_trt.bench.datasets import Prompt, humaneval_entry_points, load_humaneval, load_mtbench
+from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
+from dflash_trt.prompts import Prompt
 from dflash_trt.errors import ConfigError
 from dflash_trt.train.data import (
     CHATML_USER_HEADER, DataRecipe, build_training_prompts, clean_generated_prompt,

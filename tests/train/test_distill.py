@@ -65,7 +65,7 @@ def test_lazy_refs_load_what_was_written(tiny, regenerated):
     assert all(isinstance(r, SampleRef) for r in refs)
     for r, s in zip(refs, samples):
         loaded = r.load()
-        assert torch.equal(loaded.tokens, s.tokens) and torch.equal(loaded.taps, s.taps)
+        assert torch.equal(loaded.tokens, s.tokens) and torch.equal(loaded.target_hidden, s.target_hidden)
         assert torch.equal(loaded.topk_ids, s.topk_ids) and torch.equal(loaded.topk_logprobs, s.topk_logprobs)
 
 
@@ -99,7 +99,7 @@ def _drafter_for(hf, **kw):
     c = hf.config
     shape = dict(intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
                  num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads)
-    return build_tiny_drafter(c, dtype=torch.float64, num_layers=2, block_size=4, taps=[1, 3], **{**shape, **kw})
+    return build_tiny_drafter(c, dtype=torch.float64, num_layers=2, block_size=4, target_layer_ids=[1, 3], **{**shape, **kw})
 
 
 def test_kd_weight_and_full_train_vocab(tiny, regenerated):

@@ -13,8 +13,8 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import load_native_target, native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, save_tiny_target
-from dflash_trt.spec.decoder import DFlashEngine, EngineConfig
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.speculative.decoder import DFlashEngine
 from dflash_trt.train.features import IGNORE, compute_features, make_batch
 from dflash_trt.train.loss import block_visibility, default_gamma, position_weights, train_forward
 from dflash_trt.train.regen import Sample, regenerate
@@ -38,7 +38,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 def _config(target_dir: Path, root: Path, **kw) -> TrainConfig:
     base = dict(target=target_dir, output=root / "out", work_dir=root / "work", data_dir=root.parent / "data",
-                num_layers=1, tap_layers=(1, 2, 3), block_size=8, steps=300, batch_size=8, anchors_per_seq=8,
+                num_layers=1, target_layer_ids=(1, 2, 3), block_size=8, steps=300, batch_size=8, anchors_per_seq=8,
                 max_new_tokens=40, regen_batch_size=64, eval_every=0, save_every=100, lr=3e-3, progress=False)
     base.update(kw)
     return TrainConfig(**base)
@@ -75,7 +75,7 @@ def test_train_forward_equals_the_inference_drafter_per_block():
     taps = compute_features(target, [tokens], drafter.cfg.target_layer_ids)[0].double()
     sample = Sample(0, 10, tokens, taps)
     batch = make_batch([sample], 7, 6, drafter.mask_token_id, torch.Generator().manual_seed(0))
-    ctx = batch.ctx_taps.double()
+    ctx = batch.ctx_hidden.double()
     hidden = train_forward(drafter, ctx, batch.ctx_valid, target.embed(batch.block_ids.view(1, -1)),
                            batch.anchors).view(1, 7, 6, -1)
     for a in range(7):
@@ -97,16 +97,16 @@ def test_regenerated_taps_equal_a_prefill_pass_and_are_cached(tmp_path):
     prompts = _prompts(6, seed=5)
     kw = dict(key="k", max_new_tokens=12, batch_size=4, max_seq_len=64, shard_size=4, progress=False)
     samples = regenerate(target, prompts, (1, 3), tmp_path / "cache", **kw)
-    engine = DFlashEngine(target, None, EngineConfig(spec=False, max_batch_size=1, max_seq_len=64))
+    engine = DFlashEngine(target, None, EngineConfig(speculative=False, max_batch_size=1, max_seq_len=64))
     for p, s in zip(prompts, samples):
         greedy = engine.generate([p], SamplingParams(max_new_tokens=12))[0].tokens
         assert s.tokens.tolist() == p + greedy and s.prompt_len == len(p)
     reference = compute_features(target, [s.tokens for s in samples], (1, 3))
     for s, ref in zip(samples, reference):
-        torch.testing.assert_close(s.taps.float(), ref.float(), rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(s.target_hidden.float(), ref.float(), rtol=2e-3, atol=2e-3)
     assert len(list((tmp_path / "cache").glob("shard-*.safetensors"))) == 2
     again = regenerate(None, prompts, (1, 3), tmp_path / "cache", **kw)  # no target: all from disk
-    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.taps, b.taps) for a, b in zip(samples, again))
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.target_hidden, b.target_hidden) for a, b in zip(samples, again))
     shuffled = regenerate(None, prompts[::-1][:4], (1, 3), tmp_path / "cache", **kw)  # matched by prompt
     assert [s.index for s in shuffled] == [0, 1, 2, 3]
     assert [s.tokens.tolist() for s in shuffled] == [s.tokens.tolist() for s in samples[::-1][:4]]
@@ -148,7 +148,7 @@ def test_output_is_a_loadable_drafter_and_decoding_stays_lossless(trained):
     assert doc["results"]["steps"] == 300 and doc["data"]["recipe"] == {"source": "random ids"}
     target = load_native_target(trainer.config.target, torch.float64)  # float64: no near-tie flips
     params = SamplingParams(max_new_tokens=32)
-    ar = DFlashEngine(target, None, EngineConfig(spec=False, max_seq_len=256)).generate(held_out, params)
+    ar = DFlashEngine(target, None, EngineConfig(speculative=False, max_seq_len=256)).generate(held_out, params)
     spec = DFlashEngine(target, loaded.to(torch.float64), EngineConfig(max_batch_size=8, max_seq_len=256)).generate(held_out, params)
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
 

@@ -103,7 +103,7 @@ def server_env(base_env: Mapping[str, str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class TritonServerConfig:
     repository: Path
     server_dir: Path  # from assemble_server
     log_file: Path
@@ -126,7 +126,7 @@ class ServerConfig:
 
 
 class TritonServer:
-    def __init__(self, config: ServerConfig, base_env: Mapping[str, str]) -> None:
+    def __init__(self, config: TritonServerConfig, base_env: Mapping[str, str]) -> None:
         if not (Path(config.repository).is_dir() and any(Path(config.repository).glob("*/config.pbtxt"))):
             raise ConfigError(f"{config.repository} is not a model repository (no <model>/config.pbtxt): "
                               "write one with `dflash-trt triton-repo --output REPO`")

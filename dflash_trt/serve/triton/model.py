@@ -3,8 +3,8 @@
 Loaded by the `model.py` that `dflash-trt triton-repo` writes into the model repository; it only
 runs inside Triton's Python backend stub (it imports `triton_python_backend_utils`).
 
-- initialize(): reads the model spec (config.pbtxt parameter `dflash_model_yaml`, relative to the
-  model folder) and opens the token source (our engine + Scheduler, or TensorRT-LLM).
+- initialize(): reads the model settings (config.pbtxt parameter `dflash_model_yaml`, relative to
+  the model folder) and opens the backend (backends.py: the factory's engine + the Scheduler).
 - execute(): validates each request (protocol.parse_request); a bad request gets one error
   response with the FINAL flag and the model carries on; a good one is submitted to the shared
   Scheduler (continuous batching across clients) and a worker thread streams its responses.
@@ -15,6 +15,7 @@ runs inside Triton's Python backend stub (it imports `triton_python_backend_util
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from pathlib import Path
@@ -22,11 +23,12 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from dflash_trt.errors import ConfigError, InputError
-from dflash_trt.runtime.scheduler import QueueFullError
-from dflash_trt.serve.triton.protocol import FinalStats, TextStream, output_arrays, parse_request
+from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, QueueFullError, TokenEvent
+from dflash_trt.serve.triton.backends import ModelBackend, final_stats
+from dflash_trt.serve.text import TextStream
+from dflash_trt.serve.triton.protocol import FinalStats, output_arrays, parse_request
 from dflash_trt.serve.triton.repo import YAML_PARAMETER
-from dflash_trt.serve.triton.sources import Chunk, Done, Failed, open_source
-from dflash_trt.serve.triton.spec import TritonModelSpec
+from dflash_trt.serve.triton.settings import TritonSettings
 
 POLL_S = 0.1  # how often a waiting worker checks whether its client cancelled
 JOIN_S = 10.0
@@ -55,15 +57,15 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ConfigError("the DFlash model streams: set model_transaction_policy { decoupled: true }")
         if YAML_PARAMETER not in config["parameters"]:
-            raise ConfigError(f"config.pbtxt lacks the parameter '{YAML_PARAMETER}' (the model spec YAML)")
+            raise ConfigError(f"config.pbtxt lacks the parameter '{YAML_PARAMETER}' (the model settings YAML)")
         path = Path(args["model_repository"]) / config["parameters"][YAML_PARAMETER]["string_value"]
-        self.spec = TritonModelSpec.load(path)
-        self.source = open_source(self.spec)
+        self.settings = TritonSettings.load(path)
+        self.backend = ModelBackend(self.settings)
         self.lock = threading.Lock()
-        self.workers: dict[int, tuple[threading.Thread, object, str]] = {}  # id -> (thread, job, request id)
+        self.workers: dict[int, tuple[threading.Thread, object, str]] = {}  # id -> (thread, handle, request id)
         self.next_worker = 0
-        pb_utils.Logger.log_info(f"dflash: model '{self.spec.model_name}' ready ({self.spec.backend} backend, "
-                                 f"target {self.spec.target}, drafter {self.spec.drafter})")
+        pb_utils.Logger.log_info(f"dflash: model '{self.settings.model_name}' ready ({self.settings.backend} backend, "
+                                 f"target {self.settings.target}, drafter {self.settings.drafter})")
 
     def execute(self, requests) -> None:
         for request in requests:
@@ -74,11 +76,11 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         request_id = request.request_id()
         try:
-            parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.spec.default_max_tokens)
+            parsed = parse_request({t.name(): t.as_numpy() for t in request.inputs()}, self.settings.default_max_tokens)
             if parsed.stop:
                 self._stop_requests(request_id, sender)
                 return
-            job = self.source.submit(parsed.prompt, parsed.params, request_id or None)
+            handle = self.backend.submit(parsed.prompt, parsed.params, request_id or None)
         except InputError as exc:
             _send(sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG), final=True)
             return
@@ -87,39 +89,42 @@ class TritonPythonModel:
             return
         with self.lock:
             key, self.next_worker = self.next_worker, self.next_worker + 1
-            thread = threading.Thread(target=self._respond, args=(key, job, sender, parsed.streaming),
+            thread = threading.Thread(target=self._respond, args=(key, handle, sender, parsed.streaming),
                                       name=f"dflash-triton-{key}", daemon=True)
-            self.workers[key] = (thread, job, request_id)
+            self.workers[key] = (thread, handle, request_id)
         thread.start()
 
-    def _respond(self, key: int, job, sender, streaming: bool) -> None:
-        text = TextStream(self.source.detokenize)
+    def _respond(self, key: int, handle, sender, streaming: bool) -> None:
+        text = TextStream(self.backend.detokenize)
         cancelled = False
         checked = time.monotonic()
         try:
             while True:
-                event = job.next_event(timeout=POLL_S)
+                try:
+                    event = handle.get(timeout=POLL_S)
+                except queue.Empty:
+                    event = None
                 if not cancelled and time.monotonic() - checked >= POLL_S:
                     checked = time.monotonic()
                     if sender.is_cancelled():
                         cancelled = True
-                        job.cancel()
+                        handle.cancel()
                         pb_utils.Logger.log_info(f"dflash: request {key} cancelled by the client")
                 if event is None:
                     continue
-                if isinstance(event, Chunk):
+                if isinstance(event, TokenEvent):
                     piece = text.push(event.tokens)
                     if streaming and piece:
                         _send(sender, _response(piece, None), final=False)
-                elif isinstance(event, Done):
+                elif isinstance(event, FinalEvent):
                     rest = text.finish()
                     if cancelled:
                         _send(sender, _error("request cancelled by the client", pb_utils.TritonError.CANCELLED), True)
                     else:
-                        _send(sender, _response(rest if streaming else text.text, event.stats), final=True)
+                        _send(sender, _response(rest if streaming else text.text, final_stats(event.result)), final=True)
                     return
                 else:
-                    assert isinstance(event, Failed)
+                    assert isinstance(event, ErrorEvent), f"unexpected scheduler event {event!r}"
                     _send(sender, _error(event.message, pb_utils.TritonError.INTERNAL), final=True)
                     return
         finally:
@@ -130,14 +135,14 @@ class TritonPythonModel:
         if not request_id:
             raise InputError("'stop' cancels the running requests with this request's id: set a request id")
         with self.lock:
-            jobs = [job for _, job, rid in self.workers.values() if rid == request_id]
-        for job in jobs:
-            job.cancel()
-        pb_utils.Logger.log_info(f"dflash: stop for request id '{request_id}' cancelled {len(jobs)} request(s)")
+            handles = [handle for _, handle, rid in self.workers.values() if rid == request_id]
+        for handle in handles:
+            handle.cancel()
+        pb_utils.Logger.log_info(f"dflash: stop for request id '{request_id}' cancelled {len(handles)} request(s)")
         _send(sender, _response("", FinalStats("cancelled", 0, 0)), final=True)
 
     def finalize(self) -> None:
-        self.source.shutdown()  # running and waiting requests end with an error event
+        self.backend.shutdown()  # running and waiting requests end with an error event
         with self.lock:
             threads = [thread for thread, _, _ in self.workers.values()]
         for thread in threads:

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from dflash_trt.errors import InputError
-from dflash_trt.spec.sampling import SamplingParams
+from dflash_trt.engine import SamplingParams
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class TritonTensor:
     name: str
     triton_type: str  # TYPE_* in config.pbtxt
     dims: tuple[int, ...]
@@ -41,22 +40,22 @@ NUMPY_TYPES = {"TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_, "TYPE_FP32": np
                "TYPE_INT32": np.int32, "TYPE_UINT64": np.uint64}
 
 INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", (-1,)),
-    TensorSpec("streaming", "TYPE_BOOL", (1,), optional=True),
-    TensorSpec("sampling_param_temperature", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("sampling_param_top_k", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("sampling_param_top_p", "TYPE_FP32", (1,), optional=True),
-    TensorSpec("sampling_param_max_tokens", "TYPE_INT32", (1,), optional=True),
-    TensorSpec("sampling_param_seed", "TYPE_UINT64", (1,), optional=True),
-    TensorSpec("sampling_param_stop", "TYPE_STRING", (-1,), optional=True),
-    TensorSpec("stop", "TYPE_BOOL", (1,), optional=True),
+    TritonTensor("text_input", "TYPE_STRING", (-1,)),
+    TritonTensor("streaming", "TYPE_BOOL", (1,), optional=True),
+    TritonTensor("sampling_param_temperature", "TYPE_FP32", (1,), optional=True),
+    TritonTensor("sampling_param_top_k", "TYPE_INT32", (1,), optional=True),
+    TritonTensor("sampling_param_top_p", "TYPE_FP32", (1,), optional=True),
+    TritonTensor("sampling_param_max_tokens", "TYPE_INT32", (1,), optional=True),
+    TritonTensor("sampling_param_seed", "TYPE_UINT64", (1,), optional=True),
+    TritonTensor("sampling_param_stop", "TYPE_STRING", (-1,), optional=True),
+    TritonTensor("stop", "TYPE_BOOL", (1,), optional=True),
 )
 OUTPUTS = (
-    TensorSpec("text_output", "TYPE_STRING", (-1,)),
-    TensorSpec("finish_reason", "TYPE_STRING", (-1,)),
-    TensorSpec("acceptance_rate", "TYPE_FP32", (1,)),
-    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
-    TensorSpec("total_draft_tokens", "TYPE_INT32", (1,)),
+    TritonTensor("text_output", "TYPE_STRING", (-1,)),
+    TritonTensor("finish_reason", "TYPE_STRING", (-1,)),
+    TritonTensor("acceptance_rate", "TYPE_FP32", (1,)),
+    TritonTensor("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
+    TritonTensor("total_draft_tokens", "TYPE_INT32", (1,)),
 )
 INPUT_BY_NAME = {t.name: t for t in INPUTS}
 
@@ -126,35 +125,6 @@ def parse_request(inputs: dict[str, np.ndarray], default_max_tokens: int) -> Par
         stop=() if stops is None else tuple(_text("sampling_param_stop", s) for s in stops.reshape(-1)),
     )
     return ParsedRequest(prompt=prompt, params=params, streaming=bool(scalar("streaming")), stop=stop)
-
-
-class TextStream:
-    """Turns a growing token list into text pieces. A piece never ends inside a multi-byte
-    character (held back until the next tokens complete it); `finish` flushes the rest."""
-
-    def __init__(self, detokenize: Callable[[list[int]], str]) -> None:
-        self.detokenize = detokenize
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        text = self.detokenize(self.tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        return self._advance(text)
-
-    def finish(self) -> str:
-        return self._advance(self.detokenize(self.tokens))
-
-    def _advance(self, text: str) -> str:
-        piece = text[len(self.sent):]  # byte-level/BPE decodes are prefix-stable once complete
-        self.sent = text
-        return piece
-
-    @property
-    def text(self) -> str:
-        return self.sent
 
 
 @dataclass(frozen=True)

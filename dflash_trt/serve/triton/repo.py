@@ -3,7 +3,7 @@
     REPO/<model_name>/config.pbtxt     python backend, decoupled, max_batch_size 0, one CPU instance,
                                        the tensors of protocol.py, parameter dflash_model_yaml
     REPO/<model_name>/1/model.py       imports TritonPythonModel from the installed dflash_trt
-    REPO/<model_name>/1/model.yaml     the resolved TritonModelSpec (spec.py)
+    REPO/<model_name>/1/model.yaml     the resolved TritonSettings (settings.py)
 
 The model folder is built next to its final place and renamed in, so a crash never leaves a
 half-written model for Triton to load.
@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 from dflash_trt.errors import ConfigError
-from dflash_trt.serve.triton.protocol import INPUTS, OUTPUTS, TensorSpec
-from dflash_trt.serve.triton.spec import MODEL_YAML, TritonModelSpec
+from dflash_trt.serve.triton.protocol import INPUTS, OUTPUTS, TritonTensor
+from dflash_trt.serve.triton.settings import MODEL_YAML, TritonSettings
 
 VERSION = "1"
-YAML_PARAMETER = "dflash_model_yaml"  # config.pbtxt parameter: the spec YAML, relative to the model folder
+YAML_PARAMETER = "dflash_model_yaml"  # config.pbtxt parameter: the settings YAML, relative to the model folder
 
 MODEL_PY = '''"""DFlash speculative decoding on Triton's Python backend (written by `dflash-trt triton-repo`).
 
@@ -40,21 +40,21 @@ except ImportError as exc:
 '''
 
 
-def _tensor_block(spec: TensorSpec) -> str:
-    dims = ", ".join(str(d) for d in spec.dims)
-    lines = [f'    name: "{spec.name}"', f"    data_type: {spec.triton_type}", f"    dims: [ {dims} ]"]
-    if spec.optional:
+def _tensor_block(tensor: TritonTensor) -> str:
+    dims = ", ".join(str(d) for d in tensor.dims)
+    lines = [f'    name: "{tensor.name}"', f"    data_type: {tensor.triton_type}", f"    dims: [ {dims} ]"]
+    if tensor.optional:
         lines.append("    optional: true")
     return "  {\n" + "\n".join(lines) + "\n  }"
 
 
-def config_pbtxt(spec: TritonModelSpec) -> str:
+def config_pbtxt(settings: TritonSettings) -> str:
     inputs = ",\n".join(_tensor_block(t) for t in INPUTS)
     outputs = ",\n".join(_tensor_block(t) for t in OUTPUTS)
     return (
         "# DFlash speculative decoding (written by `dflash-trt triton-repo`). Tensors follow TensorRT-LLM's\n"
         "# LLM-API Triton model (triton_backend/all_models/llmapi/tensorrt_llm).\n"
-        f'name: "{spec.model_name}"\n'
+        f'name: "{settings.model_name}"\n'
         'backend: "python"\n'
         "max_batch_size: 0  # one prompt per request; our scheduler batches requests across clients\n"
         "model_transaction_policy {\n  decoupled: true\n}\n"
@@ -68,23 +68,23 @@ def config_pbtxt(spec: TritonModelSpec) -> str:
     )
 
 
-def write_repository(spec: TritonModelSpec, output: Path, overwrite: bool = False) -> Path:
-    """Write REPO/<model_name>/ for `spec` (already resolved and checked). Returns the model folder."""
+def write_repository(settings: TritonSettings, output: Path, overwrite: bool = False) -> Path:
+    """Write REPO/<model_name>/ for `settings` (already resolved and checked). Returns the model folder."""
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    final = output / spec.model_name
+    final = output / settings.model_name
     if final.exists() and not overwrite:
         raise ConfigError(f"{final} already exists: pass --force to replace it, or choose another --output")
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.model_name}.", dir=output))
+    staging = Path(tempfile.mkdtemp(prefix=f".{settings.model_name}.", dir=output))
     try:
         (staging / VERSION).mkdir()
-        (staging / "config.pbtxt").write_text(config_pbtxt(spec))
+        (staging / "config.pbtxt").write_text(config_pbtxt(settings))
         (staging / VERSION / "model.py").write_text(MODEL_PY)
-        (staging / VERSION / MODEL_YAML).write_text(spec.to_yaml())
+        (staging / VERSION / MODEL_YAML).write_text(settings.to_yaml())
         staging.chmod(0o755)
         if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{spec.model_name}.old.", dir=output))
-            final.rename(old / spec.model_name)
+            old = Path(tempfile.mkdtemp(prefix=f".{settings.model_name}.old.", dir=output))
+            final.rename(old / settings.model_name)
             staging.rename(final)
             shutil.rmtree(old)
         else:

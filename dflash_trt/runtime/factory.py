@@ -1,0 +1,153 @@
+"""THE backend factory: picks and loads `torch` or `trtllm` behind the engine seam (dflash_trt/engine.py).
+
+    models = load_backend("torch", LoadConfig(target, drafter))   # or "trtllm" (GPU + TensorRT-LLM)
+    engine = models.engine(EngineConfig(max_batch_size=8))          # an `Engine`
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=32))
+
+Both loaded-model objects offer the same small surface: `backend`, `load` (the LoadConfig),
+`info` (TargetInfo), `tokenizer` (None when the target directory has none), `detokenize(ids)`,
+`engine(config)` and `shutdown()`. The CLI, the OpenAI server, the Triton model and the bench all
+go through here, so they decode identically; training and calibration, which hold models in memory
+already, build the torch engine with `torch_engine`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from dflash_trt.config import TargetInfo, check_drafter_matches_target
+from dflash_trt.engine import Engine, EngineConfig, Target
+from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.models.drafter import DTYPES, DFlashDrafter
+from dflash_trt.models.target import TARGET_BACKENDS, load_target
+from dflash_trt.speculative.decoder import DFlashEngine
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "trtllm")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which checkpoints to load and how."""
+
+    target: Path
+    drafter: Path | None  # None: autoregressive only
+    target_backend: str = "native"  # torch backend: "native" (our engine) | "hf" (any transformers model, batch 1)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.target_backend not in TARGET_BACKENDS:
+            raise ConfigError(f"target_backend must be one of {TARGET_BACKENDS}, got '{self.target_backend}'")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got '{self.dtype}'")
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    """What only the trtllm backend takes: extra `tensorrt_llm.LLM` arguments (tensor_parallel_size,
+    kv_cache_config, moe_expert_parallel_size, ...) and the DFlash drafter's attention backend."""
+
+    llm_args: dict[str, Any] = field(default_factory=dict)
+    attention_backend: str | None = None
+
+
+def load_tokenizer(directory: Path):
+    """The target's tokenizer, or None when its directory has no tokenizer files."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+
+
+def torch_engine(target: Target, drafter: DFlashDrafter | None, config: EngineConfig,
+                 detokenize: Callable[[list[int]], str] | None = None) -> Engine:
+    """The torch backend's engine over models already in memory (the drafter is dropped when
+    config.speculative is False)."""
+    return DFlashEngine(target, drafter if config.speculative else None, config, detokenize)
+
+
+@dataclass
+class TorchModels:
+    """The torch backend, loaded: target, drafter and tokenizer in this process."""
+
+    backend: ClassVar[str] = "torch"
+    load: LoadConfig
+    target: Target  # NativeCausalLM | HFTarget | a tensor-parallel shard
+    drafter: DFlashDrafter | None
+    tokenizer: object | None  # a transformers tokenizer when the target directory has one
+
+    @property
+    def info(self) -> TargetInfo:
+        return self.target.info
+
+    def engine(self, config: EngineConfig) -> Engine:
+        return torch_engine(self.target, self.drafter, config, self.detokenize if self.tokenizer is not None else None)
+
+    def detokenize(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ConfigError("this target has no tokenizer")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def shutdown(self) -> None:
+        """Nothing to release: the models go with this object."""
+
+
+def load_torch(load: LoadConfig) -> TorchModels:
+    """Target (native, HF adapter, or a ModelOpt-quantized directory emulated on CPU), drafter, tokenizer."""
+    if not Path(load.target).is_dir():
+        raise CheckpointError(f"target directory {load.target} does not exist")
+    dtype: torch.dtype = DTYPES[load.dtype]
+    from dflash_trt.checkpoint import modelopt_hf
+
+    if modelopt_hf.is_modelopt_dir(Path(load.target)):
+        if load.target_backend != "native":
+            raise ConfigError("quantized (ModelOpt) targets load on the native backend only: drop --target-backend hf")
+        log.info("target %s is a ModelOpt-quantized checkpoint (emulated on the torch backend)", load.target)
+        target = modelopt_hf.load_target(Path(load.target), dtype)
+    else:
+        target = load_target(Path(load.target), load.target_backend, dtype)
+    drafter = None
+    if load.drafter is not None:
+        if not Path(load.drafter).is_dir():
+            raise CheckpointError(f"drafter directory {load.drafter} does not exist")
+        if modelopt_hf.is_modelopt_dir(Path(load.drafter)):
+            drafter = modelopt_hf.load_drafter(Path(load.drafter), dtype)
+        else:
+            drafter = DFlashDrafter.from_pretrained(Path(load.drafter), dtype)
+        check_drafter_matches_target(drafter.cfg, target.info)
+    return TorchModels(load=load, target=target, drafter=drafter, tokenizer=load_tokenizer(Path(load.target)))
+
+
+def check_backend(backend: str) -> None:
+    """ConfigError for an unknown name; BackendUnavailableError (one line) when `trtllm` cannot run
+    here (no tensorrt_llm package or no CUDA GPU). Cheap: nothing is loaded."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got '{backend}'")
+    if backend == "trtllm":
+        from dflash_trt.runtime.trtllm import import_tensorrt_llm
+
+        import_tensorrt_llm()
+
+
+def load_backend(backend: str, load: LoadConfig, trtllm_options: TrtllmOptions | None = None):
+    """The loaded backend (TorchModels, or runtime.trtllm.TrtllmModels); `trtllm_options` only for
+    trtllm (None: its defaults)."""
+    check_backend(backend)
+    if backend == "torch":
+        if trtllm_options is not None:
+            raise ConfigError("TensorRT-LLM options were given for the torch backend: drop them or use --backend trtllm")
+        return load_torch(load)
+    from dflash_trt.runtime.trtllm import load_trtllm
+
+    return load_trtllm(load, trtllm_options if trtllm_options is not None else TrtllmOptions())
+
+
+__all__ = ["BACKENDS", "LoadConfig", "TorchModels", "TrtllmOptions", "check_backend", "load_backend", "load_tokenizer", "load_torch",
+           "torch_engine"]

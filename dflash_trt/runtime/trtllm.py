@@ -1,0 +1,252 @@
+"""THE TensorRT-LLM adapter: the `trtllm` backend behind the engine seam (dflash_trt/engine.py).
+
+TensorRT-LLM runs DFlash in its PyTorch backend (`speculative_config: {decoding_type: DFlash, ...}`).
+This module holds the one function that builds that mapping (`speculative_config`, also written
+into trtllm-serve `--config` files by the builder and into Triton model settings), the
+`tensorrt_llm.LLM` arguments (`llm_arguments`, a pure function tested everywhere) and
+`TrtllmEngine`, an `Engine` over `LLM.generate_async(..., streaming=True)` that the scheduler,
+the OpenAI server, the Triton model and the bench drive exactly like the torch engine.
+
+Upstream files checked (NVIDIA/TensorRT-LLM):
+- tensorrt_llm/llmapi/llm.py: `LLM.generate_async(inputs, sampling_params, streaming=False)`;
+  token-id lists are accepted as inputs;
+- tensorrt_llm/executor/result.py: the returned result iterates synchronously (`__next__` blocks
+  for the next response), `finished`, `abort()`, `outputs[0].token_ids` (cumulative) and
+  `outputs[0].finish_reason` in {stop, length, timeout, cancelled};
+- tensorrt_llm/llmapi/llm_utils.py (llm_args.py in newer releases):
+  `update_llm_args_with_extra_dict(llm_args, extra)` turns a `speculative_config` mapping into
+  its DecodingBaseConfig (keyed by decoding_type), as trtllm-serve does with `--config`.
+Step statistics: TensorRT-LLM streams one response per iteration (stream_interval 1, its default),
+so a response of n new tokens after the first is one verification step with n - 1 accepted drafts.
+NOT EXECUTED in this project's CI: TensorRT-LLM cannot be installed there. The tests drive this
+module with a stand-in `LLM` (tests/runtime/test_backends.py); tests/gpu/ runs the real one.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Sequence as Seq
+
+from dflash_trt.config import DrafterConfig, TargetInfo
+from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat,
+                               check_request, run_to_completion, stamp_finished)
+from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, DFlashError, InputError
+from dflash_trt.runtime.factory import LoadConfig, TrtllmOptions, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DECODING_TYPE = "DFlash"
+ATTENTION_BACKENDS = ("VANILLA", "TRTLLM", "FA4")  # DFlashDecodingConfig.attention_backend
+TRTLLM_FINISH = ("stop", "length", "timeout", "cancelled")  # CompletionOutput.finish_reason; passed through
+
+
+def speculative_config(drafter_dir: Path, drafter: DrafterConfig, max_draft_len: int, *,
+                       use_rejection_sampling: bool = False, attention_backend: str | None = None) -> dict:
+    """THE `speculative_config` mapping TensorRT-LLM reads (LLM API, trtllm-serve --config YAML).
+
+    mask_token_id and target_layer_ids are the drafter's own (they are trained in); the optional
+    keys are written only when asked for (TensorRT-LLM's defaults apply otherwise)."""
+    if not 1 <= max_draft_len <= 63:
+        raise ConfigError(f"max_draft_len must be in [1, 63], got {max_draft_len}")
+    cfg = {"decoding_type": DECODING_TYPE, "max_draft_len": max_draft_len, "speculative_model": str(drafter_dir),
+           "mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}
+    if use_rejection_sampling:
+        cfg["use_rejection_sampling"] = True
+    if attention_backend is not None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got '{attention_backend}'")
+        cfg["attention_backend"] = attention_backend
+    return cfg
+
+
+@dataclass(frozen=True)
+class TrtllmApi:
+    """The TensorRT-LLM entry points the adapter calls (`import_tensorrt_llm` fills it)."""
+
+    LLM: Callable[..., Any]
+    SamplingParams: Callable[..., Any]
+    update_llm_args: Callable[[dict, dict], dict]  # update_llm_args_with_extra_dict
+
+
+def import_tensorrt_llm() -> TrtllmApi:
+    """TensorRT-LLM's entry points; BackendUnavailableError (one line) without the package or a GPU."""
+    try:
+        trtllm = importlib.import_module("tensorrt_llm")
+        llm_utils = importlib.import_module("tensorrt_llm.llmapi.llm_utils")
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the trtllm backend needs TensorRT-LLM (import failed: {exc}); run on a CUDA machine with it "
+            "(e.g. the nvcr.io/nvidia/tensorrt-llm/release image, docker/Dockerfile) or use --backend torch") from exc
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("the trtllm backend needs a CUDA GPU and none is visible: use --backend torch")
+    return TrtllmApi(trtllm.LLM, trtllm.SamplingParams, llm_utils.update_llm_args_with_extra_dict)
+
+
+def llm_arguments(load: LoadConfig, config: EngineConfig, options: TrtllmOptions,
+                  draft: tuple[DrafterConfig, int] | None) -> tuple[dict, dict]:
+    """(base, extra) for `update_llm_args_with_extra_dict` -> `tensorrt_llm.LLM(**args)`. `draft` is
+    (drafter config, block size) when speculative. A key in options.llm_args that this adapter sets
+    from the engine config must agree with it (one place for every setting)."""
+    base = {"model": str(Path(load.target).absolute()), "backend": "pytorch",
+            "max_batch_size": config.max_batch_size, "max_seq_len": config.max_seq_len}
+    extra = dict(options.llm_args)
+    own = dict(base)
+    if draft is not None:
+        drafter, block = draft
+        own["speculative_config"] = speculative_config(
+            Path(load.drafter).absolute(), drafter, block - 1, use_rejection_sampling=config.acceptance == "rejection",
+            attention_backend=options.attention_backend)
+        extra.setdefault("speculative_config", own["speculative_config"])
+    elif "speculative_config" in extra:
+        raise ConfigError("llm_args sets speculative_config but the engine is autoregressive: give a drafter "
+                          "and leave speculative_config to the adapter")
+    clashes = [k for k in own if k in extra and extra[k] != own[k]]
+    if clashes:
+        raise ConfigError(f"llm_args {clashes} disagree with the engine settings ({ {k: own[k] for k in clashes} }): "
+                          "set them in one place (the engine config, the drafter, the target path)")
+    return base, {k: v for k, v in extra.items() if k not in base}
+
+
+@dataclass
+class TrtllmModels:
+    """The trtllm backend, loaded: what this process needs around TensorRT-LLM (tokenizer, target
+    sizes); the weights are loaded by `tensorrt_llm.LLM` when an engine is made."""
+
+    backend: ClassVar[str] = "trtllm"
+    load: LoadConfig
+    api: TrtllmApi
+    info: TargetInfo
+    tokenizer: object | None
+    options: TrtllmOptions
+
+    def engine(self, config: EngineConfig) -> "TrtllmEngine":
+        return TrtllmEngine(self.api, self.load, self.info, config, self.options,
+                            self.detokenize if self.tokenizer is not None else None)
+
+    def detokenize(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ConfigError("this target has no tokenizer")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def shutdown(self) -> None:
+        """Each engine owns its LLM (TrtllmEngine.shutdown)."""
+
+
+def load_trtllm(load: LoadConfig, options: TrtllmOptions, api: TrtllmApi | None = None) -> TrtllmModels:
+    """Check the backend can run (before anything is read), then the checkpoint directories."""
+    api = api if api is not None else import_tensorrt_llm()
+    if load.target_backend != "native":
+        raise ConfigError("--target-backend hf is a torch-backend option: drop it with --backend trtllm")
+    from dflash_trt.models.target import load_hf_config
+
+    if load.drafter is not None and not (Path(load.drafter) / "config.json").is_file():
+        raise CheckpointError(f"drafter directory {load.drafter} has no config.json")
+    info = TargetInfo.from_hf_config(load_hf_config(Path(load.target)))
+    log.info("trtllm backend: TensorRT-LLM picks the weights' dtype itself (dtype %s applies to the torch backend)",
+             load.dtype)
+    return TrtllmModels(load=load, api=api, info=info, tokenizer=load_tokenizer(Path(load.target)), options=options)
+
+
+class TrtllmEngine:
+    """The trtllm backend's `Engine`: requests run in TensorRT-LLM's own in-flight batcher; `add` and
+    `step` collect each active request's next streamed response."""
+
+    def __init__(self, api: TrtllmApi, load: LoadConfig, info: TargetInfo, config: EngineConfig,
+                 options: TrtllmOptions, detokenize: Callable[[list[int]], str] | None) -> None:
+        self.api, self.info, self.config, self.detokenize = api, info, config, detokenize
+        drafter = DrafterConfig.load(Path(load.drafter)) if config.speculative and load.drafter is not None else None
+        if config.speculative and drafter is None and config.block_size not in (None, 1):
+            raise ConfigError("speculative decoding needs a drafter (or run with speculative=False)")
+        self.speculative = drafter is not None and config.block_size != 1
+        self.block_size = (config.block_size or drafter.block_size) if self.speculative else 1
+        if config.max_seq_len > info.max_position_embeddings:
+            raise ConfigError(f"max_seq_len {config.max_seq_len} exceeds the target's context "
+                              f"({info.max_position_embeddings} positions)")
+        base, extra = llm_arguments(load, config, options, (drafter, self.block_size) if self.speculative else None)
+        log.info("starting tensorrt_llm.LLM with %s + %s", base, extra)
+        self.llm = api.LLM(**api.update_llm_args(base, extra))
+        self.active: list[Sequence] = []
+        self._results: dict[int, Any] = {}  # id(sequence) -> TensorRT-LLM's streaming result
+        self._ids = 0
+
+    @property
+    def free_rows(self) -> int:
+        return self.config.max_batch_size - len(self.active)
+
+    def make_sequence(self, prompt: Seq[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        prompt, max_new = check_request(prompt, params, self.info.vocab_size, self.config.max_seq_len,
+                                        self.detokenize is not None)
+        self._ids += 1
+        return Sequence(request_id=request_id or f"req-{self._ids}", prompt=prompt, params=params,
+                        max_new_tokens=max_new)
+
+    def _sampling_params(self, s: Sequence):
+        p = s.params
+        return self.api.SamplingParams(
+            max_tokens=s.max_new_tokens, temperature=p.temperature, top_k=p.top_k or None, top_p=p.top_p,
+            seed=p.seed, stop_token_ids=list(p.stop_token_ids) or None, stop=list(p.stop) or None,
+            ignore_eos=p.ignore_eos)
+
+    def add(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """Submit the requests, then wait for each one's first response (its prefill token)."""
+        if len(seqs) > self.free_rows:
+            raise InputError(f"{len(seqs)} sequences do not fit: {self.free_rows} free rows")
+        for s in seqs:
+            self._results[id(s)] = self.llm.generate_async(s.prompt, sampling_params=self._sampling_params(s),
+                                                           streaming=True)
+            self.active.append(s)
+        outputs = [StepOutput(s, self._advance(s, first=True)) for s in seqs]
+        self._retire()
+        return outputs
+
+    def step(self) -> list[StepOutput]:
+        outputs = [StepOutput(s, self._advance(s, first=False)) for s in list(self.active)]
+        self._retire()
+        return outputs
+
+    def _advance(self, s: Sequence, first: bool) -> list[int]:
+        result = self._results[id(s)]
+        if result.finished:
+            return []
+        next(result)  # blocks until this request's next response
+        out = result.outputs[0]
+        new = [int(t) for t in out.token_ids[len(s.tokens):]]
+        s.tokens.extend(new)
+        if first:
+            s.first_token_s = time.perf_counter()
+        elif new:
+            s.steps.append(StepStat(draft_tokens=self.block_size - 1, accepted=len(new) - 1))
+        if result.finished:
+            if out.finish_reason not in TRTLLM_FINISH:
+                raise DFlashError(f"TensorRT-LLM finished request {s.request_id} without a known finish reason "
+                                  f"({out.finish_reason!r}; expected one of {TRTLLM_FINISH})")
+            s.finish_reason = out.finish_reason
+        return new
+
+    def cancel(self, s: Sequence) -> None:
+        if s.finished:
+            return
+        self._results[id(s)].abort()
+        s.finish_reason = "cancelled"
+        self._retire()
+
+    def _retire(self) -> None:
+        for s in stamp_finished(self.active):
+            del self._results[id(s)]
+        self.active = [s for s in self.active if not s.finished]
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] = SamplingParams(),
+                 progress: Callable[[int], None] | None = None) -> list[GenerationResult]:
+        return run_to_completion(self, prompts, params, progress)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+__all__ = ["ATTENTION_BACKENDS", "DECODING_TYPE", "TrtllmApi", "TrtllmEngine", "TrtllmModels",
+           "import_tensorrt_llm", "llm_arguments", "load_trtllm", "speculative_config"]

@@ -1,0 +1,122 @@
+"""The Triton model's settings: `model.yaml` next to `model.py` in the model repository.
+
+`dflash-trt triton-repo` writes it (resolved: absolute paths, every field explicit); the Python
+backend model reads it in `initialize()`. The same schema is accepted by `triton-repo --config`,
+where relative paths are taken from the YAML file's folder.
+
+    model_name: dflash
+    backend: torch            # torch: our runtime; trtllm: TensorRT-LLM's LLM API (GPU machines)
+    target: /abs/target       # HF checkpoint directory with a tokenizer
+    drafter: /abs/drafter     # DFlash drafter directory; null = autoregressive
+    target_backend: native    # native | hf (torch backend only)
+    dtype: float32
+    chat: false               # wrap text_input in the tokenizer's chat template
+    default_max_tokens: 128   # when a request has no sampling_param_max_tokens
+    torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
+    engine: {block_size: null, max_batch_size: 8, max_seq_len: 2048, speculative: true, acceptance: exact}
+    scheduler: {max_queue: 256, token_budget: 4096}
+    trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_trt.config import load_yaml_file, validate_model
+from dflash_trt.errors import ConfigError
+from dflash_trt.runtime.factory import LoadConfig
+from dflash_trt.runtime.scheduler import SchedulerConfig
+from dflash_trt.engine import EngineConfig
+
+MODEL_YAML = "model.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class EngineSection(_Strict):
+    block_size: int | None = Field(default=None, ge=1, le=64)
+    max_batch_size: int = Field(default=8, ge=1)
+    max_seq_len: int = Field(default=2048, ge=2)
+    speculative: bool = True
+    acceptance: Literal["exact", "rejection"] = "exact"
+
+
+class SchedulerSection(_Strict):
+    max_queue: int = Field(default=256, ge=0)
+    token_budget: int = Field(default=4096, ge=1)
+
+
+class TritonSettings(_Strict):
+    model_name: str = Field(default="dflash", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    backend: Literal["torch", "trtllm"] = "torch"
+    target: str = Field(min_length=1)
+    drafter: str | None = None
+    target_backend: Literal["native", "hf"] = "native"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    chat: bool = False
+    default_max_tokens: int = Field(default=128, ge=1)
+    torch_threads: int | None = Field(default=None, ge=1)
+    engine: EngineSection = EngineSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    trtllm_llm_args: dict[str, Any] = Field(default_factory=dict)
+
+    # ---- views the runtime uses ---------------------------------------------------------------
+    def load_config(self) -> LoadConfig:
+        drafter = Path(self.drafter) if self.drafter is not None and self.engine.speculative else None
+        return LoadConfig(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.engine.model_dump())
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(**self.scheduler.model_dump())
+
+    def trtllm_options(self):
+        """runtime.trtllm.TrtllmOptions for backend trtllm (None for torch, which takes no LLM arguments)."""
+        if self.backend != "trtllm":
+            if self.trtllm_llm_args:
+                raise ConfigError("trtllm_llm_args is set but backend is torch: remove it or set backend: trtllm")
+            return None
+        from dflash_trt.runtime.factory import TrtllmOptions
+
+        return TrtllmOptions(llm_args=dict(self.trtllm_llm_args))
+
+    # ---- checks and I/O -------------------------------------------------------------------------
+    def resolved(self, base: Path) -> "TritonSettings":
+        """Paths made absolute (relative ones are taken from `base`)."""
+        def absolute(p: str | None) -> str | None:
+            return None if p is None else str((base / Path(p).expanduser()).resolve())
+
+        return self.model_copy(update={"target": absolute(self.target), "drafter": absolute(self.drafter)})
+
+    def check_paths(self) -> None:
+        """The checkpoints exist and the target has a tokenizer (text_input needs one)."""
+        target = Path(self.target)
+        if not target.is_dir():
+            raise ConfigError(f"target directory {target} does not exist")
+        if not any((target / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(f"target {target} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
+                              "the Triton model takes text, so the target directory needs its tokenizer")
+        if self.engine.speculative and self.drafter is None:
+            raise ConfigError("engine.speculative is true but no drafter is given: set drafter or engine.speculative: false")
+        if self.drafter is not None and not (Path(self.drafter) / "config.json").is_file():
+            raise ConfigError(f"drafter directory {self.drafter} has no config.json")
+        self.engine_config()  # EngineConfig's own cross-field checks
+
+    def to_yaml(self) -> str:
+        header = "# dflash-trt Triton model settings (see dflash_trt/serve/triton/settings.py)\n"
+        return header + yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "TritonSettings":
+        return validate_model(cls, raw, where)
+
+    @classmethod
+    def load(cls, path: Path) -> "TritonSettings":
+        return cls.from_dict(load_yaml_file(path, "model settings"), str(Path(path)))

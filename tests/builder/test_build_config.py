@@ -1,0 +1,160 @@
+"""Build config validation (static rules and checks against real config.json files) and the dry run
+of every shipped build config."""
+from __future__ import annotations
+
+import copy
+import re
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trt.builder.builder import BuildOptions, build
+from dflash_trt.builder.config import load_build_config, parse_build_config
+from dflash_trt.cli import main
+from dflash_trt.errors import CheckpointError, ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
+GPT_OSS = CONFIGS / "gpt-oss-120b_dgx-b300_tp8_nvfp4.yaml"
+
+
+def gpt_oss_raw() -> dict:
+    return yaml.safe_load(GPT_OSS.read_text())
+
+
+def edited(**changes) -> dict:
+    raw = copy.deepcopy(gpt_oss_raw())
+    for dotted, value in changes.items():
+        node = raw
+        *path, last = dotted.split("__")
+        for key in path:
+            node = node[key]
+        node[last] = value
+    return raw
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tpyo": 1}, "unknown key 'tpyo'"),
+    ({"parallel__extra": 1}, "unknown key 'parallel.extra'"),
+    ({"parallel__ranks": 4}, "parallel.ranks is 4 but tp * pp"),
+    ({"parallel": {"tp": 16, "ep": 8, "ranks": 16, "gpus_per_node": 8, "nodes": 1}}, "do not fit on 1 node"),
+    ({"parallel": {"tp": 3, "ep": 1, "ranks": 3, "gpus_per_node": 8}}, "does not divide the target's 64 attention heads"),
+    ({"target__num_attention_heads": 48, "parallel": {"tp": 6, "ep": 6, "ranks": 6, "gpus_per_node": 8}},
+     "kv heads"),
+    ({"target__num_experts": 100}, "does not divide the target's 100 experts"),
+    ({"parallel": {"tp": 8, "ep": 3, "ranks": 8, "gpus_per_node": 8}}, "must divide tp=8"),
+    ({"gpu_arch": "sm_90"}, "Hopper has FP8 but no FP4"),
+    ({"gpu_arch": "sm_80", "target__quantization": "none"}, "kv_cache_dtype fp8 needs FP8"),
+    ({"backend": "trtllm-engine", "moe_backend": None, "cuda_graph_batch_sizes": []}, "never supported"),
+    ({"gpu_arch": "cpu"}, "runs on NVIDIA GPUs only"),
+    ({"drafter__quantization": "nvfp4"}, "drafter.quantization"),
+    ({"cuda_graph_batch_sizes": [1, 128]}, "cuda_graph_batch_sizes"),
+    ({"max_num_tokens": 100}, "cannot hold one verify block"),
+    ({"max_batch_size": "64"}, "max_batch_size"),
+])
+def test_static_rules(changes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_build_config(edited(**changes))
+
+
+def test_shipped_config_is_valid():
+    cfg = parse_build_config(gpt_oss_raw())
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.target.quantization, cfg.kv_cache_dtype) == (8, 8, "nvfp4", "fp8")
+
+
+def _write_checkpoint_configs(root: Path, **drafter_overrides) -> tuple[Path, dict]:
+    """config.json files only (no weights) of a tiny llama target and its drafter + a build YAML."""
+    from dflash_trt.models.tiny import tiny_drafter_config, tiny_target_config
+
+    tcfg = tiny_target_config("llama", vocab_size=261)
+    tcfg.architectures = ["LlamaForCausalLM"]
+    (root / "t").mkdir()
+    tcfg.save_pretrained(str(root / "t"))
+    dcfg = tiny_drafter_config(tcfg, block_size=8, mask_token_id=4)
+    for key, value in drafter_overrides.items():
+        if key in ("mask_token_id", "target_layer_ids"):
+            dcfg["dflash_config"][key] = value
+        else:
+            dcfg[key] = value
+    (root / "d").mkdir()
+    (root / "d" / "config.json").write_text(json.dumps(dcfg))
+    raw = {"name": "tiny", "backend": "torch", "gpu_arch": "cpu", "max_batch_size": 2, "max_seq_len": 128,
+           "max_draft_len": 7, "drafter": {"path": "d"},
+           "target": {"path": "t", "architecture": "llama", "num_hidden_layers": 6, "hidden_size": 64,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                      "intermediate_size": 128, "vocab_size": 261}}
+    return root / "b.yaml", raw
+
+
+@pytest.mark.parametrize("drafter_overrides, yaml_changes, message", [
+    ({}, {}, None),
+    ({"hidden_size": 32, "head_dim": 8}, {}, "drafter .* was built for a target with hidden size 32"),
+    ({"target_layer_ids": [1, 9]}, {}, "outside the target's 6 layers"),
+    ({"mask_token_id": 999}, {}, "mask_token_id 999 is outside"),
+    ({"num_target_layers": 12, "target_layer_ids": [1, 3]}, {}, "12 layers"),
+    ({}, {"max_draft_len": 9}, "block_size 8 - 1 = 7"),
+    ({}, {"target": {"num_hidden_layers": 8}}, "num_hidden_layers: YAML 8, config.json 6"),
+    ({}, {"max_seq_len": 4096}, "max_position_embeddings"),
+])
+def test_checks_against_real_configs(tmp_path, drafter_overrides, yaml_changes, message):
+    path, raw = _write_checkpoint_configs(tmp_path, **drafter_overrides)
+    for key, value in yaml_changes.items():
+        if isinstance(value, dict):
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    path.write_text(yaml.safe_dump(raw))
+    options = BuildOptions(output=tmp_path / "out", dry_run=True)
+    if message is None:
+        report = build(path, options)
+        assert report.plan.sources.complete
+    else:
+        with pytest.raises(ConfigError, match=message):
+            build(path, options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_paths_fail_a_real_build_but_not_a_dry_run(tmp_path):
+    raw = gpt_oss_raw()
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    build(path, BuildOptions(output=tmp_path / "out", dry_run=True))
+    with pytest.raises(CheckpointError, match="target checkpoint not found: /models/gpt-oss-120b"):
+        build(path, BuildOptions(output=tmp_path / "out"))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.build-cache").exists()
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_dry_run_of_every_build_config(config, tmp_path, capsys):
+    load_build_config(CONFIGS / config)
+    out = tmp_path / "out"
+    assert main(["build", str(CONFIGS / config), "--output", str(out), "--dry-run",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    text = capsys.readouterr().out
+    assert "stages:" in text and "dry run: nothing was written" in text
+    assert not out.exists() and not (tmp_path / "out.build-cache").exists()
+    if config.startswith("gpt-oss-120b"):
+        assert "quantize /models/gpt-oss-120b to NVFP4" in text
+        assert "trtllm-llmapi-launch trtllm-serve" in text and "--tp_size 8" in text and "--ep_size 8" in text
+        assert "srun --mpi=pmix" in text
+    if "engine" in config:
+        assert "trtllm-build" in text and "--speculative_decoding_mode draft_tokens_external" in text
+        assert "--model_cls_name DFlashTapTarget" in text
+
+
+def test_gpt_oss_size_estimate(tmp_path):
+    report = build(GPT_OSS, BuildOptions(output=tmp_path / "o", dry_run=True))
+    target = report.plan.stage("target").est_bytes
+    # attention NVFP4 (0.5625 B/param) + embeddings, lm_head and the 128 experts x 36 layers in bf16
+    assert 225e9 < target < 235e9
+
+
+def test_engine_backend_says_what_is_missing(tmp_path):
+    from dflash_trt.builder.trtllm import engine_preflight
+    from dflash_trt.errors import BackendUnavailableError
+
+    cfg = load_build_config(CONFIGS / "llama-3.1-8b_h200_fp8_engine.yaml")
+    with pytest.raises(BackendUnavailableError, match="import tensorrt_llm` failed") as info:
+        engine_preflight(cfg)
+    assert "no CUDA device" in str(info.value) and "trtllm-build` is not on PATH" in str(info.value)
