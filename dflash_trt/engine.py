@@ -79,6 +79,10 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + generated tokens per sequence
     speculative: bool = True  # False: plain autoregressive decoding on the same engine
     acceptance: str = "exact"  # "exact" (one-hot q) or "rejection" (drafter's soft q)
+    # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block
+    draft_confidence: float = 0.0
+    # ((batch-size threshold, drafts per row), ...) as TensorRT-LLM's draft_len_schedule; None = always block - 1
+    draft_len_schedule: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
@@ -89,11 +93,13 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise ConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
 
 @dataclass(frozen=True)
 class StepStat:
-    draft_tokens: int  # drafts verified this step (block_size - 1; 0 when autoregressive)
+    draft_tokens: int  # drafts verified this step (<= block_size - 1; 0 when autoregressive or none kept)
     accepted: int  # drafts accepted (0..draft_tokens); the step commits accepted + 1 tokens
 
 

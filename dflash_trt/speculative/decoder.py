@@ -24,6 +24,7 @@ from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, S
                                check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.speculative.draft_len import check_schedule, confident_lengths, scheduled_drafts
 from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
 from dflash_trt.speculative.verify import accept_rejection, accept_tokens
 
@@ -43,6 +44,8 @@ class DFlashEngine:
         if drafter is not None:
             check_drafter_matches_target(drafter.cfg, self.info)
         self.block_size = (config.block_size or drafter.block_size) if self.speculative else 1
+        if self.speculative and config.draft_len_schedule is not None:
+            check_schedule(config.draft_len_schedule, self.block_size - 1)
         if config.max_seq_len > self.info.max_position_embeddings:
             raise ConfigError(
                 f"max_seq_len {config.max_seq_len} exceeds the target's context "
@@ -120,25 +123,37 @@ class DFlashEngine:
         block[:, 0] = torch.tensor([s.pending for s in seqs])
         start, block_pos, block = start.to(self.device), block_pos.to(self.device), block.to(self.device)
         draft_probs = None
-        # 2. one drafter forward
-        if self.speculative:
+        lens = torch.zeros(n, dtype=torch.long, device=self.device)  # drafts verified per row
+        # 2. one drafter forward (skipped when the batch-size schedule allows no drafts)
+        drafts = scheduled_drafts(self.config.draft_len_schedule, n, t - 1) if self.speculative else 0
+        if drafts:
             hidden = self._draft_forward(seqs, block, block_pos, rows)
             draft_logits = self.target.head(hidden[:, 1:])  # [B, K, V]
             block[:, 1:], draft_probs = self._propose(draft_logits, seqs)
+            lens = self._draft_lengths(draft_logits, drafts)
+            t = int(lens.max()) + 1  # verify only as far as the longest kept draft
+            block, block_pos = block[:, :t], block_pos[:, :t]
+            draft_probs = draft_probs[:, : t - 1] if draft_probs is not None else None
+        else:
+            block, block_pos = block[:, :1], block_pos[:, :1]
         # 3. one target forward
         layer_ids = self.drafter.cfg.target_layer_ids if self.speculative else ()
         out = self.target.forward(self.tcache, rows, block, block_pos, layer_ids)
         # 4. acceptance
-        accepted, bonus = self._accept(block, start, out.logits, draft_probs, seqs)
+        accepted, bonus = self._accept(block, start, out.logits, draft_probs, seqs, lens)
         # 5. commit
         self.tcache.crop(start + accepted + 1)
         outputs = []
-        accepted_l, bonus_l, block_l = accepted.tolist(), bonus.tolist(), block.tolist()  # one sync
+        accepted_l, bonus_l, block_l, lens_l = accepted.tolist(), bonus.tolist(), block.tolist(), lens.tolist()
         for i, s in enumerate(seqs):
             a = accepted_l[i]
-            s.steps.append(StepStat(draft_tokens=t - 1, accepted=a))
+            s.steps.append(StepStat(draft_tokens=lens_l[i], accepted=a))
             if self.speculative:
-                s.ctx_hidden, s.ctx_pos = out.target_hidden[i, : a + 1], s.start
+                new_ctx = out.target_hidden[i, : a + 1]
+                if drafts:  # the drafter consumed the pending context this step
+                    s.ctx_hidden, s.ctx_pos = new_ctx, s.start
+                else:  # no drafter forward: the context waits for the next one
+                    s.ctx_hidden = torch.cat([s.ctx_hidden, new_ctx])
             s.start += a + 1
             s.pending = bonus_l[i]
             outputs.append(StepOutput(s, self._emit(s, block_l[i][1 : a + 1] + [s.pending])))
@@ -191,12 +206,15 @@ class DFlashEngine:
         drafts[idx] = inverse_cdf(q, self._uniforms(seqs, idx, draft_logits.shape[1]))
         return drafts, q
 
-    def _accept(self, block, start, logits, draft_probs, seqs):
+    def _draft_lengths(self, draft_logits, cap: int) -> torch.Tensor:
+        """[B] drafts to verify per row (speculative/draft_len.py), from the proposal's logits."""
+        return confident_lengths(draft_logits, self.config.draft_confidence, cap)
+
+    def _accept(self, block, start, logits, draft_probs, seqs, lens):
         """Greedy / exact-sampling rows go through the batched acceptance kernel (Triton on CUDA,
         its torch reference, speculative.verify.accept_prefix, elsewhere); rejection-mode rows through
         speculative.verify.accept_rejection."""
         n, k = block.shape[0], block.shape[1] - 1
-        lens = torch.full((n,), k, dtype=torch.long, device=self.device)
         if draft_probs is None:
             acc = accept_tokens(block[:, 1:], self._choose(logits, seqs), lens, start)
             return acc.accepted, acc.bonus

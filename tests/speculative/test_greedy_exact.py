@@ -128,3 +128,41 @@ def test_bad_requests_are_clear_errors(arch_models):
     assert len(out.tokens) == 29 and out.finish_reason == "length"
     with pytest.raises(ConfigError, match="exceeds the target's context"):
         DFlashEngine(native, drafter, EngineConfig(max_seq_len=5000))
+
+
+# ---- verifying fewer drafts (speculative/draft_len.py) never changes the output ------------------
+
+@pytest.mark.parametrize("confidence,schedule", [
+    (0.0, ((1, 7), (2, 0))),  # two rows in flight: no drafts at all (plain decoding steps)
+    (0.0, ((1, 7), (2, 3))),
+    (0.02, None),
+    (0.3, None),
+    (0.9, ((1, 7), (2, 5))),
+])
+def test_truncated_drafts_keep_greedy_output(arch_models, confidence, schedule):
+    hf, native, ref = arch_models
+    drafter = build_tiny_drafter(hf.config, seed=8, dtype=torch.float64, num_layers=1, block_size=8)
+    with torch.no_grad():
+        for layer in drafter.layers:  # a more peaked drafter: confidences spread over (0, 1)
+            layer.mlp.down_proj.weight.mul_(8.0)
+    config = EngineConfig(max_seq_len=128, max_batch_size=2, draft_confidence=confidence, draft_len_schedule=schedule)
+    results = DFlashEngine(native, drafter, config).generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [r.tokens for r in results] == ref
+    lens = [s.draft_tokens for r in results for s in r.steps]
+    assert all(s.accepted <= s.draft_tokens for r in results for s in r.steps)
+    if schedule == ((1, 7), (2, 0)):  # both rows start together: the first steps draft nothing
+        assert lens[0] == 0 and results[0].steps[0].accepted == 0
+    if schedule == ((1, 7), (2, 3)):
+        assert max(lens) <= 7 and lens[0] <= 3
+    if confidence > 0:
+        assert min(lens) < 7  # something was cut
+
+
+def test_bad_draft_len_schedules_are_config_errors(arch_models):
+    hf, native, _ = arch_models
+    drafter = build_tiny_drafter(hf.config, seed=8, dtype=torch.float64, num_layers=1, block_size=4)
+    for bad in (((2, 3),), ((1, 3), (1, 2)), ((1, 4),), ((1, 3), (4, -1))):
+        with pytest.raises(ConfigError, match="draft_len_schedule"):
+            DFlashEngine(native, drafter, EngineConfig(max_seq_len=64, draft_len_schedule=bad))
+    with pytest.raises(ConfigError, match="draft_confidence"):
+        EngineConfig(draft_confidence=1.0)

@@ -111,6 +111,7 @@ class TableProposer(DFlashEngine):
         self.noise = {n: noise * torch.randn((VOCAB,) * n + (VOCAB,), generator=g, dtype=torch.float64)
                       for n in range(3)}
         self.accepted: list[int] = []
+        self.drafted: list[int] = []
 
     def _propose(self, draft_logits, seqs):
         oracle = torch.zeros_like(draft_logits)  # [B, K, V]; zeros (uniform q) past the table
@@ -122,11 +123,16 @@ class TableProposer(DFlashEngine):
                     break
                 oracle[i, j] = logits + self.noise[len(ctx)][tuple(ctx)]
                 ctx.append(int(oracle[i, j].argmax()))
+        self.oracle = oracle
         return super()._propose(oracle, seqs)
+
+    def _draft_lengths(self, draft_logits, cap):
+        return super()._draft_lengths(self.oracle, cap)  # confidence of the drafts actually proposed
 
     def step(self):
         outs = super().step()
         self.accepted.extend(o.sequence.steps[-1].accepted for o in outs)
+        self.drafted.extend(o.sequence.steps[-1].draft_tokens for o in outs)
         return outs
 
 
@@ -139,17 +145,19 @@ def models():
     return native_from_hf(hf), drafter, TargetTable(hf)
 
 
-def sample_counts(models, params: SamplingParams, acceptance: str, runs: int = RUNS, seed0: int = 0):
+def sample_counts(models, params: SamplingParams, acceptance: str, runs: int = RUNS, seed0: int = 0,
+                  **config_kw):
     """Counts of (t1, t2, t3) over `runs` seeded DFlash runs, and the mean acceptance per step."""
     target, drafter, table = models
-    engine = TableProposer(target, drafter, EngineConfig(max_batch_size=256, max_seq_len=16, acceptance=acceptance),
-                           table=table, noise=1.0)
+    config = EngineConfig(max_batch_size=256, max_seq_len=16, acceptance=acceptance, **config_kw)
+    engine = TableProposer(target, drafter, config, table=table, noise=1.0)
     plist = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             seed=seed0 + i, max_new_tokens=NEW, ignore_eos=True) for i in range(runs)]
     results = engine.generate([PROMPT] * runs, plist)
     idx = torch.tensor([(r.tokens[0] * VOCAB + r.tokens[1]) * VOCAB + r.tokens[2] for r in results])
     counts = torch.bincount(idx, minlength=VOCAB ** NEW)
     accepted = torch.tensor(engine.accepted, dtype=torch.float64)
+    sample_counts.drafted = engine.drafted  # draft lengths of the last call, for tests that check them
     return counts, accepted
 
 
@@ -170,6 +178,17 @@ def test_dflash_sampling_matches_target_distribution(models, acceptance, tempera
     assert stat < critical, f"chi-square {stat:.1f} >= critical {critical:.1f}: DFlash sampling is not the target's"
     # acceptance was exercised: both full and partial acceptance happened, often
     assert accepted.mean() > 0.5 and bool((accepted == 0).any()) and bool((accepted == 2).any())
+
+
+@pytest.mark.parametrize("acceptance", ["exact", "rejection"])
+def test_sampling_with_truncated_drafts_matches_target_distribution(models, acceptance):
+    """Verifying a confidence-truncated prefix (speculative/draft_len.py) keeps the distribution."""
+    params = SamplingParams(temperature=1.0)
+    counts, accepted = sample_counts(models, params, acceptance, draft_confidence=0.3)
+    stat, critical = chi_square(counts, models[2].joint(params))
+    assert stat < critical, f"chi-square {stat:.1f} >= critical {critical:.1f} with truncated drafts"
+    assert bool((accepted == 0).any()) and bool((accepted >= 1).any())
+    assert set(sample_counts.drafted) == {0, 1, 2}  # every truncation length occurred
 
 
 def _accept_first_always(draft, target_tokens, draft_lens):

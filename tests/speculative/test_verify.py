@@ -69,3 +69,27 @@ def test_rejection_with_empty_draft_draws_from_target():
     acc = accept_rejection(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, 4, dtype=torch.float64), p,
                            T([0]), torch.zeros(1, 0, dtype=torch.float64), T([0.5], dtype=torch.float64))
     assert acc.accepted.tolist() == [0] and acc.bonus.tolist() == [2]
+
+
+# ---- draft lengths (speculative/draft_len.py) -----------------------------------------------------
+
+def test_confident_lengths_cut_at_the_cumulative_product():
+    from dflash_trt.speculative.draft_len import confident_lengths
+
+    probs = torch.tensor([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4]],    # cumulative 0.9, 0.72, 0.432
+                          [[0.5, 0.5], [0.99, 0.01], [0.99, 0.01]],  # 0.5, ...
+                          [[0.99, 0.01], [0.99, 0.01], [0.99, 0.01]]])
+    logits = probs.log()
+    assert confident_lengths(logits, 0.0, 3).tolist() == [3, 3, 3]
+    assert confident_lengths(logits, 0.7, 3).tolist() == [2, 0, 3]
+    assert confident_lengths(logits, 0.7, 1).tolist() == [1, 0, 1]
+    assert confident_lengths(logits, 0.95, 3).tolist() == [0, 0, 3]
+
+
+def test_scheduled_drafts_follow_tensorrt_llm_thresholds():
+    from dflash_trt.speculative.draft_len import scheduled_drafts
+
+    schedule = ((1, 7), (4, 3), (8, 0))
+    assert [scheduled_drafts(schedule, b, 7) for b in (1, 3, 4, 7, 8, 64)] == [7, 7, 3, 3, 0, 0]
+    assert scheduled_drafts(None, 5, 7) == 7
+    assert scheduled_drafts(((1, 9),), 1, 7) == 7  # never beyond the block
