@@ -43,6 +43,19 @@ def test_generate_json_contract(ckpt):
     assert small["block_size"] == 4 and small["tokens"] == ids_ar["tokens"]
 
 
+def test_draft_truncation_flags_keep_the_output(ckpt):
+    target, drafter, _ = ckpt
+    base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-seq-len", "256", "--json",
+            "--prompt", "hello there", "--max-new-tokens", "16", "--ignore-eos"]
+    full = json.loads(cli(*base).stdout)
+    cut = json.loads(cli(*base, "--draft-confidence", "0.5", "--draft-len-schedule", "1:3,2:0").stdout)
+    assert cut["tokens"] == full["tokens"]
+    assert all(s["draft_tokens"] <= 3 for s in cut["steps"])
+    assert any(s["draft_tokens"] < 3 for s in cut["steps"])  # a random tiny drafter is rarely confident
+    bad = cli(*base, "--draft-len-schedule", "2:3", check=False)
+    assert bad.returncode == 2 and "draft_len_schedule" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--prompt-ids", "1,x"], "comma-separated integers"),
     (["--prompt", ""], "empty"),

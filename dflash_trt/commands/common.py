@@ -35,8 +35,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding on the same engine")
     e.add_argument("--acceptance", choices=ACCEPTANCE_MODES, default="exact",
                    help="exact: target samples, drafts accepted while equal; rejection: min(1, p/q) with the drafter's q")
+    e.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="verify a row's drafts only while the product of the drafter's top-1 probabilities stays "
+                        ">= this (0 = always the whole block); output is unchanged, only speed")
+    e.add_argument("--draft-len-schedule", type=parse_draft_len_schedule, default=None, metavar="B:K,...",
+                   help="drafts per row by batch size, as TensorRT-LLM's draft_len_schedule: '1:7,4:3,8:0' = 7 drafts "
+                        "below 4 rows, 3 below 8, none from 8 rows up")
     e.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
     e.add_argument("--max-batch-size", type=int, default=8)
+
+
+def parse_draft_len_schedule(text: str) -> tuple[tuple[int, int], ...]:
+    """'1:7,4:3,8:0' -> ((1, 7), (4, 3), (8, 0))."""
+    try:
+        pairs = tuple((int(a), int(b)) for a, b in (item.split(":") for item in text.split(",") if item.strip()))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected BATCH:DRAFTS pairs like '1:7,4:3,8:0', got '{text}'") from exc
+    if not pairs:
+        raise argparse.ArgumentTypeError("the schedule is empty")
+    return pairs
 
 
 def cache_dir(args: argparse.Namespace) -> Path:
@@ -64,7 +81,8 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_batch_size=args.max_batch_size,
-                        max_seq_len=args.max_seq_len, speculative=not args.no_spec, acceptance=args.acceptance)
+                        max_seq_len=args.max_seq_len, speculative=not args.no_spec, acceptance=args.acceptance,
+                        draft_confidence=args.draft_confidence, draft_len_schedule=args.draft_len_schedule)
 
 
 def trtllm_options(backend: str, tp: int = 1, moe_tp_size: int = 1, llm_args: dict | None = None):
