@@ -32,7 +32,7 @@ from dflash_trt.engine import EngineConfig, SamplingParams
 log = logging.getLogger(__name__)
 
 REFERENCE_PIP = "pip install --no-deps dflash==0.1.0"
-ENGINE_MODES = ("dflash", "ar")
+ENGINE_MODES = ("dflash", "dflash-full", "ar")
 PEER_MODES = ("hf-generate", "hf-prompt-lookup", "dflash-reference")
 
 
@@ -47,7 +47,8 @@ class ModeOutput:
     ttft_s: float | None  # time to the first generated token
     steps: int | None  # target forwards after prefill (verification or decode steps)
     accepted: list[int] | None = None  # drafts accepted at each step (engine DFlash only)
-    draft_tokens: int = 0  # drafts verified per step (block_size - 1; 0 for autoregressive)
+    draft_tokens: int = 0  # drafts a step may verify (block_size - 1; 0 for autoregressive)
+    verified: list[int] | None = None  # drafts actually verified at each step (engine DFlash only)
 
 
 @dataclass
@@ -85,15 +86,27 @@ class BenchMode(ABC):
         """Greedy-decode `prompt` for at most `max_new_tokens` tokens (stops at EOS)."""
 
 
-class EngineMode(BenchMode):
-    """DFlash or autoregressive decoding on the backend's engine, batch 1."""
+def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> EngineConfig:
+    """The engine settings of an engine mode: `dflash` as configured (draft truncation and schedule
+    included), `dflash-full` always verifying the whole block, `ar` without the drafter."""
+    if mode not in ENGINE_MODES:
+        raise InputError(f"'{mode}' is not an engine mode ({', '.join(ENGINE_MODES)})")
+    cfg = replace(base, speculative=mode != "ar", max_batch_size=max_batch_size)
+    if mode == "dflash-full":
+        cfg = replace(cfg, draft_confidence=0.0, draft_len_schedule=None)
+    return cfg
 
-    def __init__(self, name: str, ctx: ModeContext, speculative: bool) -> None:
-        if speculative and ctx.models.load.drafter is None:
+
+class EngineMode(BenchMode):
+    """DFlash (as configured, or verifying full blocks) or autoregressive decoding on the backend's
+    engine, batch 1."""
+
+    def __init__(self, name: str, ctx: ModeContext, kind: str | None = None) -> None:
+        kind = kind or name  # which engine mode a registered mode of another name runs
+        if kind != "ar" and ctx.models.load.drafter is None:
             raise ModeUnavailable("no drafter loaded (pass --drafter, or use the shipped one)")
         self.name = name
-        cfg = replace(ctx.engine_config, speculative=speculative, max_batch_size=1)
-        self.engine = ctx.models.engine(cfg)
+        self.engine = ctx.models.engine(mode_engine_config(ctx.engine_config, kind, 1))
 
     def run(self, prompt: list[int], max_new_tokens: int) -> ModeOutput:
         t0 = time.perf_counter()
@@ -102,7 +115,8 @@ class EngineMode(BenchMode):
         speculative = self.engine.speculative
         return ModeOutput(tokens=list(result.tokens), time_s=elapsed, ttft_s=result.time_to_first_token_s,
                           steps=len(result.steps), accepted=[s.accepted for s in result.steps] if speculative else None,
-                          draft_tokens=self.engine.block_size - 1)
+                          draft_tokens=self.engine.block_size - 1,
+                          verified=[s.draft_tokens for s in result.steps] if speculative else None)
 
 
 class _ForwardClock:
@@ -198,8 +212,9 @@ class ReferenceDFlashMode(HFMode):
 ModeFactory = Callable[[str, ModeContext], BenchMode]
 
 MODES: dict[str, ModeFactory] = {
-    "dflash": lambda name, ctx: EngineMode(name, ctx, speculative=True),
-    "ar": lambda name, ctx: EngineMode(name, ctx, speculative=False),
+    "dflash": EngineMode,
+    "dflash-full": EngineMode,
+    "ar": EngineMode,
     "hf-generate": HFGenerateMode,
     "hf-prompt-lookup": HFPromptLookupMode,
     "dflash-reference": ReferenceDFlashMode,

@@ -49,6 +49,7 @@ class Record:
     tau: float | None
     order: int  # this mode's position in the prompt's rotated mode order
     matches_reference: bool
+    verified: list[int] | None = None  # drafts verified per step (engine DFlash; < draft_tokens when truncated)
 
 
 def tau_of(tokens: int, steps: int | None, accepted: list[int] | None) -> float | None:
@@ -118,6 +119,7 @@ def _summary(rs: list[Record], base: dict) -> dict:
             "tokens_per_s": tokens / time_s if time_s > 0 else None,
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "tau": committed / steps if steps else None,
+            "verified_per_step": _mean([sum(r.verified) / len(r.verified) for r in rs if r.verified]),
             "speedup_vs_ar_geomean": _geomean(ratios)}
 
 
@@ -223,9 +225,11 @@ def markdown(report: dict) -> str:
     if report["records"]:
         lines += ["## Batch 1 (modes interleaved prompt by prompt, greedy)", ""]
         rows = [[a["dataset"], a["mode"], str(a["prompts"]), str(a["tokens"]), _f(a["tokens_per_s"]),
-                 _f(a["mean_ttft_s"], ".0f", 1e3), _f(a["tau"]), _f(a["speedup_vs_ar_geomean"])]
+                 _f(a["mean_ttft_s"], ".0f", 1e3), _f(a["tau"]), _f(a.get("verified_per_step")),
+                 _f(a["speedup_vs_ar_geomean"])]
                 for a in report["aggregates"]["by_dataset"]]
-        lines += _table(["dataset", "mode", "prompts", "tokens", "tok/s", "TTFT ms", "tau", "speedup vs ar"], rows)
+        lines += _table(["dataset", "mode", "prompts", "tokens", "tok/s", "TTFT ms", "tau", "drafts verified/step",
+                         "speedup vs ar"], rows)
         cats = [a for a in report["aggregates"]["by_category"] if a["dataset"] == "mtbench"]
         if cats:
             lines += ["", "### MT-Bench by category", ""]

@@ -27,7 +27,7 @@ import torch
 
 from dflash_trt.bench.datasets import load_humaneval, load_jsonl, load_mtbench
 from dflash_trt.prompts import Prompt, encode_prompt
-from dflash_trt.bench.modes import BenchMode, ModeContext, build_modes
+from dflash_trt.bench.modes import BenchMode, ModeContext, build_modes, mode_engine_config
 from dflash_trt.bench.report import (SCHEMA_VERSION, Record, RequestTiming, aggregates, first_difference,
                                      per_position, record_dicts, speed_ratios, sweep_point, tau_of)
 from dflash_trt.errors import InputError
@@ -37,7 +37,7 @@ from dflash_trt.engine import SamplingParams
 log = logging.getLogger(__name__)
 
 BUILTIN_DATASETS = ("humaneval", "mtbench")
-SWEEP_MODES = ("dflash", "ar")
+SWEEP_MODES = ("dflash", "dflash-full", "ar")
 WARMUP_TOKENS = 8
 
 
@@ -152,7 +152,8 @@ def run_batch1(modes: list[BenchMode], prompts: list[BenchPrompt], cfg: BenchCon
                 prompt_tokens=len(bp.ids), tokens=len(out.tokens), token_ids=list(out.tokens), time_s=out.time_s,
                 ttft_s=out.ttft_s, tokens_per_s=len(out.tokens) / out.time_s if out.time_s > 0 else 0.0,
                 steps=out.steps, accepted=out.accepted, draft_tokens=out.draft_tokens,
-                tau=tau_of(len(out.tokens), out.steps, out.accepted), order=pos, matches_reference=diff is None))
+                tau=tau_of(len(out.tokens), out.steps, out.accepted), order=pos, matches_reference=diff is None,
+                verified=out.verified))
     return records, errors
 
 
@@ -168,7 +169,7 @@ def _mismatch(mode, ref, bp: BenchPrompt, index, got, want, kind) -> dict:
 # ---- concurrency sweep ----------------------------------------------------------------------
 def sweep_local(ctx: ModeContext, mode: str, prompts: list[BenchPrompt], c: int, max_new_tokens: int, bar):
     """One sweep point on our engine; returns (point, [(prompt, tokens)])."""
-    engine = ctx.models.engine(replace(ctx.engine_config, speculative=(mode == "dflash"), max_batch_size=c))
+    engine = ctx.models.engine(mode_engine_config(ctx.engine_config, mode, c))
     sched = Scheduler(engine)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     waiting = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]

@@ -133,13 +133,27 @@ class _BrokenMode(bench_modes.EngineMode):
     """Autoregressive decoding whose fourth token is altered: a 'speedup' over a different output."""
 
     def __init__(self, name, ctx):
-        super().__init__(name, ctx, speculative=False)
+        super().__init__(name, ctx, kind="ar")
 
     def run(self, prompt, max_new_tokens):
         out = super().run(prompt, max_new_tokens)
         tokens = list(out.tokens)
         tokens[3] = (tokens[3] + 1) % 200
         return bench_modes.ModeOutput(tokens=tokens, time_s=out.time_s, ttft_s=out.ttft_s, steps=out.steps)
+
+
+def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
+    rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--modes", "dflash,dflash-full,ar", "--concurrency", "2",
+               "--draft-confidence", "0.5")
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["errors"] == []  # same tokens in every mode, batch 1 and sweep
+    by_mode = {r["mode"]: r for r in report["aggregates"]["by_dataset"]}
+    assert by_mode["dflash-full"]["verified_per_step"] == BLOCK - 1
+    assert by_mode["dflash"]["verified_per_step"] < BLOCK - 1  # a random drafter is rarely confident
+    assert by_mode["ar"]["verified_per_step"] is None
+    assert {p["mode"] for p in report["sweep"]} == {"dflash", "dflash-full", "ar"}
+    assert "drafts verified/step" in (tmp_path / "report.md").read_text()
 
 
 @pytest.fixture
