@@ -85,3 +85,15 @@ def test_import_needs_no_gpu_stack():
             "bad = [m for m in ('tensorrt', 'tensorrt_llm', 'mpi4py', 'triton') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_demo_interleaves_timed_runs_after_a_warm_up():
+    out = cli("demo", "--tiny", "--max-new-tokens", "8", "--repeats", "2").stdout
+    assert "after one warm-up run each, 2 interleaved runs per mode" in out
+    runs = [line.split("(runs ")[1].rstrip(" s)").split() for line in out.splitlines() if "(runs " in line]
+    assert len(runs) == 2 and all(len(r) == 2 for r in runs)  # AR and DFlash, 2 timed runs each
+    assert "speedup:" in out and "median AR time / median DFlash time" in out
+    bad = cli("demo", "--tiny", "--repeats", "0", check=False)
+    assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr
+    for flag in ("--no-spec", "--max-batch-size", "--acceptance"):  # flags that would do nothing in a demo
+        assert flag not in cli("demo", "--help").stdout

@@ -1,20 +1,24 @@
 """`dflash-trt demo`: DFlash on the embedded default, side by side with autoregressive decoding.
 
 Answers a real chat prompt with SmolLM2-135M-Instruct + the shipped DFlash drafter on CPU and
-prints the answer, tokens/s, the acceptance length tau and the speedup over autoregressive decoding
-on the same engine (both runs in this process, greedy, checked token-identical).
+prints the answer, then times both modes of the same engine in this process: one warm-up run of
+each, then AR and DFlash interleaved (AR, DFlash, AR, DFlash, ...) for `--repeats` runs each, so
+that a load change on the machine hits both alike; it prints the median time of each, tau and the
+ratio of the medians. Every run's greedy output is checked identical.
 `--tiny` runs the same on a tiny random-weight Llama instead (seconds; no acceptance to speak of).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from dflash_trt.commands.common import add_model_flags, cache_dir, engine_config, load_config
-from dflash_trt.errors import DFlashError
-from dflash_trt.engine import SamplingParams
+from dflash_trt.commands.common import cache_dir, load_config
+from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
+from dflash_trt.errors import ConfigError, DFlashError
 
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
 
@@ -22,11 +26,28 @@ DEFAULT_QUESTION = "Write a Python function that checks whether a string is a pa
 def register(sub) -> None:
     p = sub.add_parser("demo", help="DFlash vs autoregressive on the embedded default", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user message")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user message (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each mode after the warm-up (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="use a tiny random-weight model (no real answer)")
-    add_model_flags(p)
-    p.set_defaults(func=run)
+    g = p.add_argument_group("models")
+    g.add_argument("--drafter", type=Path, default=None, help="a DFlash drafter directory (default: the shipped one)")
+    g.add_argument("--cache-dir", type=Path, default=None, help="where the embedded default is converted once")
+    e = p.add_argument_group("decoding")
+    e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    e.add_argument("--draft-confidence", type=float, default=None,
+                   help="verify drafts only while the drafter is this confident (default: the engine's)")
+    # what load_config reads beyond these flags: the demo always runs the embedded default target
+    p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    if not args.prompt.strip():
+        raise ConfigError("--prompt is empty")
 
 
 def _tiny_models(args):
@@ -42,38 +63,58 @@ def _tiny_models(args):
     return TorchModels(load=load, target=native_from_hf(hf, torch.float32), drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
 
 
+def _timed(engine, ids: list[int], params: SamplingParams) -> tuple[GenerationResult, float]:
+    t0 = time.perf_counter()
+    result = engine.generate([ids], params)[0]
+    return result, time.perf_counter() - t0
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     if args.tiny:
         models, ids = _tiny_models(args)
-        args.max_seq_len = min(args.max_seq_len, models.target.info.max_position_embeddings)
     else:
+        from dflash_trt.commands.generate import prompt_ids
         from dflash_trt.runtime.factory import load_backend
 
         models = load_backend("torch", load_config(args))  # the demo compares modes of our own engine
-        from dflash_trt.commands.generate import prompt_ids
-
         ids = prompt_ids(models, args.prompt, None, chat=True)
+    info = models.target.info
+    cfg = EngineConfig(block_size=args.block_size, max_batch_size=1,
+                       max_seq_len=min(info.max_position_embeddings, len(ids) + args.max_new_tokens + 64))
+    if args.draft_confidence is not None:
+        cfg = replace(cfg, draft_confidence=args.draft_confidence)
+    engines = {"autoregressive": models.engine(replace(cfg, speculative=False)), "dflash": models.engine(cfg)}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    cfg = engine_config(args)
-    timings = {}
-    results = {}
-    for mode, speculative in (("autoregressive", False), ("dflash", True)):
-        engine = models.engine(replace(cfg, speculative=speculative, max_batch_size=1))
-        t0 = time.perf_counter()
-        results[mode] = engine.generate([ids], params)[0]
-        timings[mode] = time.perf_counter() - t0
-    ar, df = results["autoregressive"], results["dflash"]
-    if ar.tokens != df.tokens:
-        raise DFlashError("DFlash output differs from autoregressive output: this is a bug, please report it")
+    # 1. warm-up (first-call allocations, caches), then 2. interleaved timed runs
+    results = {mode: _timed(engine, ids, params)[0] for mode, engine in engines.items()}
+    reference = results["autoregressive"].tokens
+    times: dict[str, list[float]] = {mode: [] for mode in engines}
+    for _ in range(args.repeats):
+        for mode, engine in engines.items():
+            result, seconds = _timed(engine, ids, params)
+            if result.tokens != reference:
+                raise DFlashError(f"{mode} output differs from autoregressive output: this is a bug, please report it")
+            results[mode] = result
+            times[mode].append(seconds)
+    df = results["dflash"]
     if models.tokenizer is not None:
         print(f"user> {args.prompt}\nassistant> {models.detokenize(df.tokens)}\n")
     else:
         print(f"prompt ids {ids} -> {df.tokens}\n")
-    ar_tps = len(ar.tokens) / timings["autoregressive"]
-    df_tps = len(df.tokens) / timings["dflash"]
-    print(f"autoregressive: {len(ar.tokens)} tokens in {timings['autoregressive']:.2f} s = {ar_tps:.1f} tok/s")
-    print(f"dflash:         {len(df.tokens)} tokens in {timings['dflash']:.2f} s = {df_tps:.1f} tok/s, "
-          f"tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps (block {cfg.block_size or models.drafter.block_size})")
-    print(f"speedup: {df_tps / ar_tps:.2f}x (same engine, same process, identical greedy output)")
+    med = {mode: statistics.median(ts) for mode, ts in times.items()}
+    n = len(reference)
+    runs = {mode: " ".join(f"{t:.2f}" for t in ts) for mode, ts in times.items()}
+    verified = sum(s.draft_tokens for s in df.steps) / max(len(df.steps), 1)
+    block = engines["dflash"].block_size
+    print(f"after one warm-up run each, {args.repeats} interleaved runs per mode (greedy; identical output every run)")
+    print(f"autoregressive: {n} tokens, median {med['autoregressive']:.2f} s = {n / med['autoregressive']:.1f} tok/s"
+          f"  (runs {runs['autoregressive']} s)")
+    print(f"dflash:         {n} tokens, median {med['dflash']:.2f} s = {n / med['dflash']:.1f} tok/s"
+          f"  (runs {runs['dflash']} s)")
+    print(f"                tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps, "
+          f"{verified:.1f} of {block - 1} drafts verified per step (block {block})")
+    print(f"speedup: {med['autoregressive'] / med['dflash']:.2f}x (median AR time / median DFlash time; "
+          f"same engine, same process)")
     sys.stdout.flush()
     return 0
