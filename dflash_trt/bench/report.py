@@ -250,6 +250,13 @@ def markdown(report: dict) -> str:
     skipped = report["modes"]["skipped"]
     if skipped:
         lines += ["", "## Skipped modes", ""] + [f"- `{m}`: {why}" for m, why in skipped.items()]
+    costs = report.get("step_costs")
+    if costs:
+        lines += ["", f"## Step costs ({costs['threads']} threads, {costs['context']}-token context; "
+                  f"1-token step {costs['one_token_s'] * 1e3:.1f} ms)", ""]
+        head = [f"verify {t} tokens" for t in costs["verify_ratio"]] + ["draft (block)"]
+        row = [_f(r) for r in costs["verify_ratio"].values()] + [_f(costs["draft_ratio"])]
+        lines += _table(head, [row])
     lines += ["", "## Errors", ""]
     lines += [f"- {e['message']}" for e in report["errors"]] or ["none"]
     if report.get("plots"):

@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="with --endpoint: every request generates exactly --max-new-tokens (server extension)")
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="where report.json/.md and plots go")
+    p.add_argument("--step-costs", action="store_true",
+                   help="also time a T-token target forward and the draft against a 1-token step (torch backend)")
     p.add_argument("--no-warmup", action="store_true", help="skip the unrecorded warm-up generation per mode")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,6 +115,8 @@ def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
     from dflash_trt.config import DrafterConfig
     from dflash_trt.models.drafter import DTYPES
 
+    if args.step_costs and args.backend != "torch":
+        raise InputError("--step-costs times our own engine's forwards: use --backend torch")
     models = load(args)
     prompts = tokenize(prompts, models.tokenizer)
     longest = max(len(bp.ids) for bp in prompts)
@@ -125,6 +129,11 @@ def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
                       dtype=DTYPES[args.dtype], block_size=block,
                       prompt_lookup_tokens=args.prompt_lookup_tokens or (block - 1 if block > 1 else 10))
     body = run_local(cfg, ctx, prompts)
+    if args.step_costs:
+        from dflash_trt.bench.step_cost import measure_step_costs
+
+        sizes = tuple(sorted({1, 2, 4, 8, block}))
+        body["step_costs"] = measure_step_costs(models.target, models.drafter, sizes=sizes).to_dict()
     extra = {"backend": models.backend, "target": str(models.load.target),
              "drafter": None if drafter_dir is None else str(drafter_dir),
              "target_name": Path(models.load.target).name, "dtype": args.dtype, "target_backend": args.target_backend,

@@ -144,7 +144,7 @@ class _BrokenMode(bench_modes.EngineMode):
 
 def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
     rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--modes", "dflash,dflash-full,ar", "--concurrency", "2",
-               "--draft-confidence", "0.5")
+               "--draft-confidence", "0.5", "--step-costs")
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["errors"] == []  # same tokens in every mode, batch 1 and sweep
@@ -153,7 +153,10 @@ def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
     assert by_mode["dflash"]["verified_per_step"] < BLOCK - 1  # a random drafter is rarely confident
     assert by_mode["ar"]["verified_per_step"] is None
     assert {p["mode"] for p in report["sweep"]} == {"dflash", "dflash-full", "ar"}
-    assert "drafts verified/step" in (tmp_path / "report.md").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert "drafts verified/step" in md and "## Step costs" in md
+    costs = report["step_costs"]
+    assert costs["verify_ratio"]["1"] == 1.0 and set(costs["verify_ratio"]) == {"1", "2", "4", "8"}
 
 
 @pytest.fixture
