@@ -115,26 +115,46 @@ def target_float_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_target(model, out_dir: Path, algo: str | QuantAlgo, calibration=None, source_dir: Path | None = None) -> Path:
+def export_dtype_of(model, declared: torch.dtype | str | None) -> torch.dtype:
+    """The dtype a ModelOpt HF export writes when none is given: the dtype the model's config
+    declares, else that of its first parameter (`unified_export_hf.py::_resolve_export_dtype`)."""
+    if isinstance(declared, str):
+        declared = getattr(torch, declared)
+    if declared is not None:
+        return declared
+    return next(model.parameters()).dtype
+
+
+def write_target(model, out_dir: Path, algo: str | QuantAlgo, calibration=None, source_dir: Path | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
     """Quantize a NativeCausalLM (Llama / Qwen3 / gpt-oss) into a ModelOpt-HF directory.
-    calibration: a quant.calibrate.Calibration (static input scales) or None (weight-only)."""
+    calibration: a quant.calibrate.Calibration (static input scales) or None (weight-only).
+    dtype: the checkpoint dtype of the unquantized tensors (and of the codes' rounding, as
+    ModelOpt's export); default the dtype the model's config declares (a bf16 release stays bf16
+    even when the model was loaded in fp32)."""
     plan = plan_for(model, algo, "target")
     amax = None if calibration is None else calibration.input_amax
-    state = quantize_state(target_float_state(model), plan, amax)
+    dtype = export_dtype_of(model, model.config.dtype) if dtype is None else dtype
+    state = quantize_state(target_float_state(model), plan, amax, export_dtype=dtype)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
     if not config.get("architectures"):
         raise ConfigError("the target config has no 'architectures'; set it (e.g. LlamaForCausalLM) before export")
     return _write(out_dir, config, plan, state, calibration, {"target": source_dir}, source_dir)
 
 
 def write_drafter(drafter, out_dir: Path, algo: str | QuantAlgo, calibration=None,
-                  source_dir: Path | None = None) -> Path:
-    """Quantize a DFlash drafter (fc and norms stay high precision) into a ModelOpt-HF directory."""
+                  source_dir: Path | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Quantize a DFlash drafter (fc and norms stay high precision) into a ModelOpt-HF directory;
+    dtype as in `write_target` (default: the drafter config's torch_dtype)."""
     plan = plan_for(drafter, algo, "drafter")
     amax = None if calibration is None else calibration.input_amax
-    state = quantize_state({k: v.detach() for k, v in drafter.state_dict().items()}, plan, amax)
-    return _write(out_dir, drafter.cfg.to_dict(), plan, state, calibration, {"drafter": source_dir}, None)
+    dtype = export_dtype_of(drafter, drafter.cfg.torch_dtype) if dtype is None else dtype
+    state = quantize_state({k: v.detach() for k, v in drafter.state_dict().items()}, plan, amax, export_dtype=dtype)
+    config = drafter.cfg.to_dict()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return _write(out_dir, config, plan, state, calibration, {"drafter": source_dir}, None)
 
 
 def read_quant_config(directory: Path) -> dict:

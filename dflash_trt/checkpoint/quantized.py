@@ -26,7 +26,7 @@ from torch import nn
 from dflash_trt.errors import ConfigError
 from dflash_trt.fileio import check_state_dict
 from dflash_trt.quant.algo import QuantAlgo, parse_quant_algo
-from dflash_trt.quant.fp8 import E4M3_MAX, cast_to_fp8, weight_scale_from_amax
+from dflash_trt.quant.fp8 import E4M3_MAX, export_codes, weight_scale_from_amax
 from dflash_trt.quant.linear import QuantLinear
 from dflash_trt.quant.nvfp4 import BLOCK_SIZE, global_scale_from_amax, quantize_nvfp4
 
@@ -79,18 +79,21 @@ def plan_for(model: nn.Module, algo: str | QuantAlgo, kind: str) -> QuantPlan:
     return QuantPlan(algo, tuple(names), tuple(exclude), sizes)
 
 
-def quantize_weight(w: torch.Tensor, algo: QuantAlgo, shared_amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, algo: QuantAlgo, shared_amax: torch.Tensor | None = None,
+                    export_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """w: [out, in] float -> {"weight", "weight_scale"[, "weight_scale_2"]} with (1,) scalars.
 
     shared_amax (1,): the amax that sets the per-tensor (FP8) or global (NVFP4) scale instead of
-    w's own (a fused group's max)."""
+    w's own (a fused group's max). export_dtype: the checkpoint's dtype; the codes are rounded
+    through it as ModelOpt's HF export does (`quant.fp8.export_codes`, `quant.nvfp4.quantize_nvfp4`),
+    float32 means one rounding. Scales come from w as given."""
     w = w.detach().float()
     amax = w.abs().amax().reshape(1) if shared_amax is None else shared_amax.reshape(1).float()
     if algo is QuantAlgo.NVFP4:
-        q = quantize_nvfp4(w, global_scale_from_amax(amax) if bool(amax > 0) else None)
+        q = quantize_nvfp4(w, global_scale_from_amax(amax) if bool(amax > 0) else None, export_dtype)
         return {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": q.global_scale}
     scale = weight_scale_from_amax(amax)
-    return {"weight": cast_to_fp8(w / scale), "weight_scale": scale}
+    return {"weight": export_codes(w, scale, export_dtype), "weight_scale": scale}
 
 
 def input_scale(algo: QuantAlgo, amax: float) -> torch.Tensor:
@@ -101,11 +104,18 @@ def input_scale(algo: QuantAlgo, amax: float) -> torch.Tensor:
 
 
 def quantize_state(state: dict[str, torch.Tensor], plan: QuantPlan, input_amax: dict[str, float] | None,
-                   share_fp8_weight_scale: bool = False) -> dict[str, torch.Tensor]:
+                   share_fp8_weight_scale: bool = False, export_dtype: torch.dtype | None = None
+                   ) -> dict[str, torch.Tensor]:
     """HF-named float state -> HF-named quantized state (scalars shaped (1,)).
 
-    input_amax None: weight-only (no input_scale). Otherwise every quantized linear needs an amax."""
-    out = {k: v for k, v in state.items()}
+    input_amax None: weight-only (no input_scale). Otherwise every quantized linear needs an amax.
+    export_dtype: the checkpoint dtype (a ModelOpt HF export's `dtype`): unquantized float tensors
+    are cast to it and the codes rounded through it; None keeps the tensors' dtypes and rounds once
+    (the legacy writer casts per rank itself)."""
+    if export_dtype is None:
+        out = dict(state)
+    else:
+        out = {k: v.to(export_dtype) if v.is_floating_point() else v for k, v in state.items()}
     missing = [m for m in plan.modules if input_amax is not None and m not in input_amax]
     if missing:
         raise ConfigError(f"no calibration data reached {missing[:5]}{'...' if len(missing) > 5 else ''}: "
@@ -117,7 +127,8 @@ def quantize_state(state: dict[str, torch.Tensor], plan: QuantPlan, input_amax: 
         if share and len(group) > 1:
             shared = torch.stack([state[f"{m}.weight"].detach().float().abs().amax() for m in group]).amax()
         out.pop(f"{name}.weight")
-        for suffix, tensor in quantize_weight(state[f"{name}.weight"], plan.algo, shared).items():
+        for suffix, tensor in quantize_weight(state[f"{name}.weight"], plan.algo, shared,
+                                              export_dtype or torch.float32).items():
             out[f"{name}.{suffix}"] = tensor
         if input_amax is not None:
             amax = max(input_amax[m] for m in group)

@@ -73,6 +73,26 @@ def cast_to_fp8(scaled: torch.Tensor) -> torch.Tensor:
     return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 
 
+def export_codes(weight: torch.Tensor, scale: torch.Tensor, export_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 codes of `weight` [..., out, in] for a per-tensor `scale` (1,) fp32, rounded as NVIDIA
+    ModelOpt 0.47's Hugging Face export rounds them (`modelopt/torch/export/quant_utils.py`,
+    `to_quantized_weight`, FP8 branch, called with `weight.to(dtype)` from
+    `unified_export_hf.py::_export_quantized_weight`): the weight is first rounded to the export
+    dtype, divided by the fp32 scale in fp32, the quotient rounded to the export dtype (torch keeps a
+    bf16 / fp16 result when the divisor is a 0-d fp32 tensor), then cast to E4M3 (RNE, saturating).
+
+    export_dtype float32 rounds once; bfloat16 / float16 round twice, e.g. w / s = 53.91 -> bf16
+    54.0 -> a tie between 52 and 56 -> 56 (single rounding gives 52). Checked bit for bit against
+    ModelOpt's CPU export (tests/checkpoint/test_modelopt_hf.py); its CUDA path was not run here.
+    """
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    if export_dtype not in FLOAT_DTYPES:
+        raise InputError(f"export_dtype must be one of {FLOAT_DTYPES}, got {export_dtype}")
+    scalar_scale("scale", scale)
+    quotient = weight.to(export_dtype).float() / scale
+    return cast_to_fp8(quotient.to(export_dtype))
+
+
 def weight_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scale = amax / 448 for weights; a zero amax (all-zero tensor/row) gives scale 1.0."""
     scale = amax.float() / E4M3_MAX
@@ -182,6 +202,7 @@ __all__ = [
     "cast_to_fp8",
     "dequantize_fp8_weight",
     "dequantize_kv",
+    "export_codes",
     "fake_quant_fp8",
     "fake_quant_fp8_per_token",
     "kv_cache_scales",

@@ -98,11 +98,18 @@ def _block_scales(blocks: torch.Tensor, global_scale: torch.Tensor) -> torch.Ten
     return scale.clamp(MIN_BLOCK_SCALE, E4M3_MAX).to(FP8_DTYPE)
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> NVFP4Weight:
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None,
+                   export_dtype: torch.dtype | None = None) -> NVFP4Weight:
     """Quantize x [..., in] (fp32/fp16/bf16, in % 16 == 0, finite) to NVFP4.
 
     global_scale: (1,) fp32 to use instead of amax(|x|) / (6 * 448) (shared scale of fused
     layers, or an activation's calibrated `input_scale`); block scales then saturate at 448.
+    export_dtype: the checkpoint dtype of a weight export. As in ModelOpt 0.47's HF export
+    (`unified_export_hf.py::_export_quantized_weight` passes `weight.to(dtype)` to
+    `quant_utils.to_quantized_weight`, while `NVFP4QTensor.get_weights_scaling_factor` takes the
+    block amax of the weight as the model holds it), the elements are rounded to it before they are
+    encoded, and the scales come from x unrounded. The division itself runs in fp32 (its divisor is
+    an fp32 tensor), so there is no second rounding as with FP8.
     """
     check_dtype("x", x, FLOAT_DTYPES)
     check_min_ndim("x", x, 1, "[..., in]")
@@ -118,6 +125,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # [..., nblocks, 16]
     block_scale = _block_scales(blocks, global_scale)  # [..., nblocks] e4m3
     step = block_scale.float() * global_scale  # [..., nblocks] fp32
+    if export_dtype is not None:
+        blocks = x.to(export_dtype).float().reshape(*x.shape[:-1], -1, BLOCK_SIZE)
     codes = encode_e2m1((blocks / step.unsqueeze(-1)).reshape(x.shape))
     return NVFP4Weight(packed=pack_nibbles(codes), block_scale=block_scale, global_scale=global_scale)
 

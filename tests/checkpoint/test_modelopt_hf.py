@@ -18,6 +18,9 @@ from dflash_trt.builder.calibration import calibrate_target, calibration_prompts
 pytest.importorskip("modelopt.torch.quantization")
 
 
+SCALES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
@@ -70,6 +73,49 @@ def test_hf_and_legacy_exports_are_bit_identical_to_modelopt(tmp_path, arch, alg
         assert our_cfg[key] == mo_cfg[key], key
     assert our_cfg["quantization"]["quant_algo"] == mo_cfg["quantization"]["quant_algo"]
     assert {k: our_cfg["mapping"][k] for k in mo_cfg["mapping"]} == mo_cfg["mapping"]
+
+
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+@pytest.mark.parametrize("model_dtype, export_dtype", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+def test_hf_export_from_bf16_is_bit_identical_to_modelopt(tmp_path, algo, model_dtype, export_dtype):
+    """Released checkpoints are bf16: ModelOpt rounds the FP8 quotient to bf16 before the e4m3 cast
+    (a second rounding) and encodes NVFP4 from the bf16 weight with scales from the model's own
+    weight. Ours writes the same bytes, from a bf16 model and from an fp32 one exported to bf16."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    hf = build_tiny_target("llama", num_layers=2, dtype=model_dtype)
+    native = native_from_hf(hf)
+    prompts = calibration_prompts(2, vocab_size=hf.config.vocab_size)
+    cal = modelopt_calibrate(hf, algo, prompts)
+    export_hf_checkpoint(hf, dtype=export_dtype, export_dir=str(tmp_path / "mo"))
+    modelopt_hf.write_target(native, tmp_path / "ours", algo, cal, dtype=export_dtype)
+    theirs = load_file(tmp_path / "mo" / "model.safetensors")
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert ours["model.embed_tokens.weight"].dtype == torch.bfloat16
+    if export_dtype is not None:
+        # ModelOpt 0.47 writes the unquantized tensors of an fp32 model in fp32 whatever `dtype` says;
+        # ours casts them to the export dtype (what ModelOpt writes for the model held in bf16)
+        for name, tensor in theirs.items():
+            if tensor.dtype == torch.float32 and tensor.dim() > 0 and not name.endswith(SCALES):
+                assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
+                theirs[name] = ours[name]
+    _assert_same_files(ours, theirs)
+    if algo == "FP8":  # the case the single-rounding writer got wrong: some codes differ by one step
+        w = native.model.layers[0].self_attn.q_proj.weight.detach()
+        single = (w.float() / theirs["model.layers.0.self_attn.q_proj.weight_scale"]).to(torch.float8_e4m3fn)
+        assert not torch.equal(single.view(torch.uint8),
+                               theirs["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))
+
+
+def test_fp8_export_codes_round_through_the_export_dtype():
+    """w / s = 53.91: bf16 rounds it to 54.0, a tie between the e4m3 values 52 and 56 that goes to
+    56 (even mantissa); one rounding from fp32 gives 52."""
+    from dflash_trt.quant.fp8 import export_codes
+
+    scale = torch.tensor([1.0])
+    w = torch.tensor([[53.91, -53.91, 1000.0]])
+    assert export_codes(w, scale, torch.bfloat16).float().tolist() == [[56.0, -56.0, 448.0]]
+    assert export_codes(w, scale, torch.float32).float().tolist() == [[52.0, -52.0, 448.0]]
 
 
 def test_provenance_in_json_and_metadata(tmp_path):
