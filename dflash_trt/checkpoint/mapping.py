@@ -135,6 +135,10 @@ RULES: list[tuple[re.Pattern, dict[int, str]]] = [
     (re.compile(r".*\.mlp\.experts\.gate_up_proj(_bias)?"), {0: "ep", -1: "mtp"}),
     (re.compile(r".*\.mlp\.experts\.down_proj"), {0: "ep", 1: "mtp"}),
     (re.compile(r".*\.mlp\.experts\.down_proj_bias"), {0: "ep"}),
+    # gpt-oss MXFP4 experts as released: [E, out, in/32, 16] blocks and [E, out, in/32] E8M0 scales
+    # (rows of gate_up interleave gate and up, as the float layout's last dim does)
+    (re.compile(r".*\.mlp\.experts\.gate_up_proj_(blocks|scales)"), {0: "ep", 1: "mtp"}),
+    (re.compile(r".*\.mlp\.experts\.down_proj_(blocks|scales)"), {0: "ep", 2: "mtp"}),
     (re.compile(r".*\.self_attn\.o_proj\.bias|.*\.mlp\.down_proj\.bias|.*\.mlp\.router\.(weight|bias)"
                 r"|.*norm\.weight|fc\.weight"), {}),
 ]
@@ -152,6 +156,10 @@ def rule_for(name: str) -> dict[int, str]:
 def _range(kind: str, size: int, d: Dims, m: Mapping, rank: int) -> tuple[int, int, int]:
     """(start, stop, pad) of rank `rank` along one dim of length `size`."""
     tp = m.tp_size
+    parts = {"q": tp, "ffn": tp, "ep": m.moe_ep_size, "mtp": m.moe_tp_size}.get(kind, 1)
+    if size % parts:
+        raise CheckpointError(f"a dim of {size} cannot be split into {parts} equal '{kind}' parts (MXFP4 experts "
+                              "split MoE-TP by groups of 32): choose other tp / ep sizes")
     if kind in ("q", "ffn"):
         per = size // tp
         return rank * per, (rank + 1) * per, 0

@@ -13,7 +13,9 @@ the FP8 per-tensor weight scale across a group.
 
 What is quantized: every nn.Linear of the decoder layers (attention and dense MLP). Kept in high
 precision: embeddings, lm_head, norms, the gpt-oss router and MoE experts (3-D parameters, not
-linears), and the DFlash drafter's feature projection `fc`.
+linears), and the DFlash drafter's feature projection `fc`. Exclusions are written in the names the
+loader matches: Hugging Face names for Llama / Qwen3, TensorRT-LLM's runtime names for gpt-oss
+(whose FP8 / NVFP4 attention only dflash_trt's torch runtime loads; see checkpoint/gpt_oss.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash_trt.checkpoint.gpt_oss import RUNTIME_EXCLUDES
 from dflash_trt.errors import ConfigError
 from dflash_trt.fileio import check_state_dict
 from dflash_trt.quant.algo import QuantAlgo, parse_quant_algo
@@ -70,10 +73,12 @@ def plan_for(model: nn.Module, algo: str | QuantAlgo, kind: str) -> QuantPlan:
                 raise ConfigError(f"NVFP4 needs in_features % {BLOCK_SIZE} == 0; {name} has {module.in_features}")
             names.append(name)
             sizes[name] = module.in_features
-    if kind == "target":
-        exclude = ["lm_head", "model.embed_tokens"]
-        if getattr(model, "arch", None) is not None and model.arch.moe:
-            exclude += ["model.layers.*.mlp.router", "model.layers.*.mlp.experts"]
+    if kind == "target" and model.arch.moe:
+        # gpt-oss: TensorRT-LLM matches exclusions against its runtime module names (model.block.N...),
+        # never the HF ones (dflash_trt.checkpoint.gpt_oss); router and experts stay high precision
+        exclude = list(RUNTIME_EXCLUDES)
+    elif kind == "target":
+        exclude = ["lm_head", "model.embed_tokens"]  # Llama / Qwen3 runtime names are the HF ones
     else:
         exclude = ["fc"]
     return QuantPlan(algo, tuple(names), tuple(exclude), sizes)

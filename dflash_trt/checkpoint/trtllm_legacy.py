@@ -95,10 +95,10 @@ def write_checkpoint(model, out_dir: Path, algo: str | QuantAlgo | None, calibra
     if kind == "target" and model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     exclude = ["lm_head"] if kind == "target" else ["fc"]
+    if kind == "target" and g.dims.num_experts:  # the legacy layout's own module names
+        exclude += ["transformer.layers.*.mlp.router", "transformer.layers.*.mlp.experts"]
     if parsed is not None:
         plan = plan_for(model, parsed, kind)
-        exclude = [e for e in plan.exclude_modules if e != "model.embed_tokens"]
-        exclude = [e.replace("model.layers.*.mlp.", "transformer.layers.*.mlp.") for e in exclude]
         state = quantize_state(state, plan, None if calibration is None else calibration.input_amax,
                                share_fp8_weight_scale=True)
     ranks = shard_state(state, g, m, DTYPES[dtype])

@@ -169,3 +169,34 @@ def save_tiny_checkpoint(directory: Path, arch: str = "llama", seed: int = 0, dr
                                  mask_token_id=4)
     drafter_dir = drafter.save_pretrained(directory / "drafter")
     return target_dir, drafter_dir
+
+
+TINY_GPT_OSS_RELEASE = "tiny-gpt-oss-mxfp4"  # folder (under the cache) of the stand-in `@tiny-gpt-oss`
+
+
+def save_tiny_gpt_oss_release(directory: Path, seed: int = 0, block_size: int = 8) -> tuple[Path, Path]:
+    """A toy gpt-oss in the layout of the openai/gpt-oss releases (MXFP4 experts, BF16 elsewhere,
+    `quantization_config.quant_method: mxfp4`, byte-level tokenizer) at directory/target, and a
+    BF16 DFlash drafter for it at directory/drafter. Deterministic for a seed."""
+    from dflash_trt.checkpoint.gpt_oss import write_mxfp4_release
+
+    directory = Path(directory)
+    model = build_tiny_target("gpt_oss", seed=seed, vocab_size=TINY_TOKENIZER_VOCAB)
+    target_dir = write_mxfp4_release(model, directory / "target")
+    build_tiny_tokenizer().save_pretrained(str(target_dir))
+    drafter = build_tiny_drafter(model.config, seed=seed, num_layers=1, block_size=block_size, mask_token_id=4,
+                                 torch_dtype="bfloat16")
+    drafter_dir = drafter.save_pretrained(directory / "drafter", dtype=torch.bfloat16)
+    return target_dir, drafter_dir
+
+
+def ensure_tiny_gpt_oss(cache_root: Path) -> Path:
+    """The `@tiny-gpt-oss` stand-in under `cache_root`, written once (atomically); returns its root
+    (holding target/ and drafter/)."""
+    from dflash_trt.fileio import atomic_directory
+
+    root = Path(cache_root) / TINY_GPT_OSS_RELEASE
+    if not ((root / "target" / "config.json").is_file() and (root / "drafter" / "config.json").is_file()):
+        with atomic_directory(root) as tmp:
+            save_tiny_gpt_oss_release(tmp)
+    return root

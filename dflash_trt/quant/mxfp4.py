@@ -1,4 +1,5 @@
-"""MXFP4 (OCP Microscaling) dequantization, as a SOURCE format: gpt-oss expert weights.
+"""MXFP4 (OCP Microscaling): gpt-oss expert weights, read (dequantized for the torch runtime) and,
+for stand-in checkpoints of the release layout, written.
 
 Format: OCP Microscaling Formats (MX) Specification v1.0, MXFP4 = blocks of 32 FP4 E2M1
 elements (see `dflash_trt.quant.e2m1`) sharing one E8M0 scale. E8M0 is an unsigned 8-bit
@@ -12,14 +13,19 @@ so W[..., o, 32 g + j] = e2m1(code j of group g) * 2^(scales[..., o, g] - 127).
 
 `dequantize_mxfp4` returns the natural [..., out, in] layout. (transformers' gpt-oss integration
 returns the transpose [..., in, out], the layout its expert modules multiply with.)
+
+`quantize_mxfp4` follows the MX specification's conversion (section 6.3): the shared exponent of a
+group is floor(log2(amax)) - 2 (2 = the largest E2M1 exponent), elements are x / 2^exponent
+rounded to nearest-even E2M1 and clamped to +-6. It exists to write test stand-ins in the release
+layout; release checkpoints are never re-quantized by this project.
 """
 from __future__ import annotations
 
 import torch
 
 from dflash_trt.errors import CheckpointError, InputError
-from dflash_trt.quant._checks import check_dtype, check_min_ndim
-from dflash_trt.quant.e2m1 import decode_e2m1, unpack_nibbles
+from dflash_trt.quant._checks import FLOAT_DTYPES, check_dtype, check_finite, check_min_ndim
+from dflash_trt.quant.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 
 MX_BLOCK_SIZE = 32
 E8M0_BIAS = 127
@@ -64,4 +70,23 @@ def dequantize_mxfp4(
     return weight.flatten(-2).to(dtype)
 
 
-__all__ = ["E8M0_BIAS", "MX_BLOCK_SIZE", "dequantize_mxfp4", "e8m0_to_float"]
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., in] (float, in % 32 == 0, finite) -> (blocks [..., in/32, 16] uint8,
+    scales [..., in/32] uint8 E8M0), the gpt-oss `*_blocks` / `*_scales` layout.
+
+    An all-zero group gets code 0 (2^-127); exponents are clamped to the E8M0 range [-127, 127]."""
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    check_min_ndim("weight", weight, 1, "[..., in]")
+    if weight.shape[-1] % MX_BLOCK_SIZE:
+        raise InputError(f"MXFP4 needs the last dim to be a multiple of {MX_BLOCK_SIZE}, got {tuple(weight.shape)}")
+    check_finite("weight", weight)
+    groups = weight.float().contiguous().reshape(*weight.shape[:-1], -1, MX_BLOCK_SIZE)  # [..., G, 32]
+    amax = groups.abs().amax(dim=-1)  # [..., G]
+    exponent = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    scales = (exponent + E8M0_BIAS).to(torch.uint8)
+    codes = encode_e2m1(groups / e8m0_to_float(scales).unsqueeze(-1))  # [..., G, 32]
+    return pack_nibbles(codes), scales
+
+
+__all__ = ["E8M0_BIAS", "MX_BLOCK_SIZE", "dequantize_mxfp4", "e8m0_to_float", "quantize_mxfp4"]

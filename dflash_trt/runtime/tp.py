@@ -173,7 +173,7 @@ def load_tp_target(directory: Path, ctx: TPContext, dtype: torch.dtype, device: 
                    ) -> NativeCausalLM:
     """This rank's part of a native target, from a HF checkpoint (sliced on read) or a
     pre-sharded directory written by `write_tp_shards` (its mapping must equal ctx.mapping)."""
-    from dflash_trt.models.target import load_hf_config
+    from dflash_trt.models.target import dequantize_mxfp4_experts, load_hf_config
 
     directory = Path(directory)
     config = load_hf_config(directory)
@@ -186,6 +186,8 @@ def load_tp_target(directory: Path, ctx: TPContext, dtype: torch.dtype, device: 
         state = load_presharded_rank(directory, ctx.rank)
     else:
         state = load_rank_state(directory, config, ctx.mapping, ctx.rank)
+    if any(name.endswith("_blocks") for name in state):  # gpt-oss MXFP4 experts: this rank's slice
+        state = dequantize_mxfp4_experts(state, dtype)
     with torch.device("meta"):
         model = NativeCausalLM(config)
     parallelize(model, ctx)

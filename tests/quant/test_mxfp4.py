@@ -70,3 +70,26 @@ def test_e8m0_codes_are_exact_powers_of_two() -> None:
 def test_bad_inputs(blocks: torch.Tensor, scales: torch.Tensor, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         dequantize_mxfp4(blocks, scales)
+
+
+def test_quantize_round_trips_representable_values_and_bounds_the_error():
+    """Values already on the MXFP4 grid come back exactly (blocks, scales and values); random
+    weights come back within 2 units of their group's scale (half the widest E2M1 step, or the
+    spec's clamp of (6, 8) units to 6)."""
+    from dflash_trt.quant.mxfp4 import quantize_mxfp4
+
+    blocks, scales = _random_mxfp4((3, 5), 4, 110, 140, seed=7)
+    blocks = blocks & 0x77 | 0x07  # every group holds a +6 (its max), so the exponent is recovered
+    exact = dequantize_mxfp4(blocks, scales, torch.float32)
+    q_blocks, q_scales = quantize_mxfp4(exact)
+    assert torch.equal(q_scales, scales) and torch.equal(dequantize_mxfp4(q_blocks, q_scales, torch.float32), exact)
+    w = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    w[0, 0, :32] = 0.0  # an all-zero group
+    b, s = quantize_mxfp4(w.to(torch.bfloat16))
+    assert b.shape == (4, 8, 2, 16) and s.shape == (4, 8, 2) and int(s[0, 0, 0]) == 0
+    back = dequantize_mxfp4(b, s, torch.float32)
+    unit = e8m0_to_float(s).repeat_interleave(32, dim=-1)
+    err = (back - w.to(torch.bfloat16).float()).abs()
+    assert bool((err <= 2 * unit).all()) and float(err.max()) > 0
+    with pytest.raises(InputError, match="multiple of 32"):
+        quantize_mxfp4(torch.zeros(2, 48))

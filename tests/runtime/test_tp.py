@@ -1,6 +1,7 @@
 """Tensor parallelism over real MPI ranks on CPU (mpirun + gloo): greedy DFlash at TP=2 is
-token-identical to TP=1 for Llama, Qwen3 and gpt-oss (expert-parallel and MoE-TP), from HF
-checkpoints sliced on load and from pre-sharded rank{N}.safetensors; the `generate --tp` command;
+token-identical to TP=1 for Llama, Qwen3 and gpt-oss (expert-parallel and MoE-TP; float experts
+and the MXFP4 release layout), from HF checkpoints sliced on load and from pre-sharded
+rank{N}.safetensors; the `generate --tp` command;
 world-size checks before loading; a rank that dies or hangs fails the whole job in bounded time.
 
 MPI start-up is slow here, so one launch runs many cases (dflash_trt/runtime/tp_worker.py).
@@ -22,7 +23,7 @@ pytest.importorskip("mpi4py", reason="tensor parallelism needs mpi4py + an MPI (
 
 from dflash_trt.checkpoint.mapping import Mapping  # noqa: E402
 from dflash_trt.checkpoint.sharding import write_tp_shards  # noqa: E402
-from dflash_trt.models.tiny import save_tiny_checkpoint  # noqa: E402
+from dflash_trt.models.tiny import save_tiny_checkpoint, save_tiny_gpt_oss_release  # noqa: E402
 from dflash_trt.runtime.factory import LoadConfig, load_torch  # noqa: E402
 from dflash_trt.engine import EngineConfig, SamplingParams  # noqa: E402
 
@@ -62,6 +63,13 @@ def ckpts(tmp_path_factory):
             out[f"{tag}-hf"] = (target, drafter, moe_tp, ref)
             sharded = write_tp_shards(target, root / f"{tag}-tp2", Mapping(2, moe_tp_size=moe_tp))
             out[f"{tag}-presharded"] = (sharded, drafter, moe_tp, ref)
+    # the gpt-oss release layout (MXFP4 experts): each rank reads its experts' blocks and dequantizes them
+    target, drafter = save_tiny_gpt_oss_release(root / "gpt_oss_mxfp4", block_size=4)
+    ref = reference(target, drafter)
+    for moe_tp in (1, 2):
+        out[f"gpt_oss_mxfp4-moetp{moe_tp}-hf"] = (target, drafter, moe_tp, ref)
+        sharded = write_tp_shards(target, root / f"gpt_oss_mxfp4-moetp{moe_tp}-tp2", Mapping(2, moe_tp_size=moe_tp))
+        out[f"gpt_oss_mxfp4-moetp{moe_tp}-presharded"] = (sharded, drafter, moe_tp, ref)
     return out
 
 
