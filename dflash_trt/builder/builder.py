@@ -7,9 +7,13 @@
 4. Each cached stage has a key: a hash of its config section, the source fingerprints, upstream
    keys and the dflash_trt version. A stage whose `<cache>/<stage>-<key>/` is complete is skipped;
    otherwise it runs in `<cache>/<stage>.tmp-<pid>/` which is renamed into place when done.
-5. Assemble: hard-link the stage folders into a temporary `.DIR.tmp-*` next to DIR, write
-   llm_api_options.yaml, launch/, triton/ and manifest.json, then rename it to DIR. An interrupted
-   build never leaves DIR behind; a re-run reuses the finished stages.
+   Stages COPY their sources (reflinks where the filesystem supports them), never hard-link them:
+   editing a build never edits the checkpoint it came from.
+5. Assemble: hard-link the stage folders of the cache into a temporary `.DIR.tmp-*` next to DIR
+   (one copy on disk), write llm_api_options.yaml, launch/, triton/ and manifest.json, then rename
+   it to DIR. An interrupted build never leaves DIR behind; a re-run (`--force` when DIR exists)
+   reuses the finished stages, except a stage whose files were edited since it finished (their
+   size or mtime changed): that one runs again.
 """
 from __future__ import annotations
 
@@ -24,14 +28,16 @@ from pathlib import Path
 
 from dflash_trt.builder import deploy, stages, trtllm
 from dflash_trt.builder.config import BuildConfig, load_build_config
-from dflash_trt.builder.manifest import build_manifest, write_manifest
+from dflash_trt.builder.manifest import build_manifest, tensor_group_report, write_manifest
 from dflash_trt.builder.plan import BuildPlan, make_plan
+from dflash_trt.builder.sizes import dir_bytes
 from dflash_trt.builder.sources import fingerprint, human_bytes, json_digest, load_sources
 from dflash_trt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 DONE = ".done.json"
+STAMPS = ".files.json"  # {relative path: [size, mtime_ns]} of a finished stage
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class BuildOptions:
     force: bool = False
     progress: bool = True
     default_target: Path | None = None  # the resolved `@default` target directory
+    tiny_gpt_oss: Path | None = None  # root of the `@tiny-gpt-oss` stand-in (target/, drafter/)
     stage_delay_s: dict[str, float] = field(default_factory=dict)  # test hook: sleep inside these stages
 
 
@@ -73,13 +80,6 @@ class BuildReport:
         return "\n".join(lines)
 
 
-def dir_bytes(path: Path) -> int:
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-
-
 def stage_keys(plan: BuildPlan, fps: dict) -> dict[str, str]:
     cfg: BuildConfig = plan.config
     from dflash_trt import __version__
@@ -93,6 +93,11 @@ def stage_keys(plan: BuildPlan, fps: dict) -> dict[str, str]:
     keys["engine"] = json_digest({"shard": keys["shard"], "drafter": keys["drafter"],
                                   "config": {k: v for k, v in cfg.model_dump(mode="json").items() if k != "serve"}})
     return keys
+
+
+def _stamps(directory: Path) -> dict[str, list[int]]:
+    return {p.relative_to(directory).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(Path(directory).rglob("*")) if p.is_file() and not p.name.startswith(".")}
 
 
 class _Cache:
@@ -124,8 +129,11 @@ class _Cache:
     def run(self, name: str, key: str, fn, options: BuildOptions) -> tuple[Path, StageResult]:
         final = self.done_dir(name, key)
         if (final / DONE).is_file():
-            facts = json.loads((final / DONE).read_text())
-            return final, StageResult(name, "skipped", 0.0, dir_bytes(final), key, facts)
+            if _stamps(final) == json.loads((final / STAMPS).read_text()):
+                facts = json.loads((final / DONE).read_text())
+                return final, StageResult(name, "skipped", 0.0, dir_bytes(final), key, facts)
+            log.warning("stage %s: its cached files (%s) changed since it finished (edited through a build "
+                        "directory?): running it again", name, final)
         start = time.perf_counter()
         tmp = self.root / f"{name}.tmp-{os.getpid()}"
         tmp.mkdir()
@@ -135,6 +143,7 @@ class _Cache:
             log.warning("test hook: sleeping %.1f s inside stage %s", delay, name)
             time.sleep(delay)
         (tmp / DONE).write_text(json.dumps(facts, indent=2, default=str) + "\n")
+        (tmp / STAMPS).write_text(json.dumps(_stamps(tmp)) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -171,7 +180,7 @@ def _assemble(plan: BuildPlan, dirs: dict[str, Path], results: list[StageResult]
         for name, src in dirs.items():
             dest = tmp / plan.stage(name).output
             dest.mkdir(parents=True)
-            stages.link_tree(src, dest, options.progress, f"assemble {name}")
+            stages.link_stage(src, dest)
         start = time.perf_counter()
         opts = deploy.write_llm_api_options(plan, tmp)
         launch = deploy.write_launch(plan, tmp)
@@ -184,7 +193,8 @@ def _assemble(plan: BuildPlan, dirs: dict[str, Path], results: list[StageResult]
             status = "run" if facts["status"] == "written" else "missing"
             results.append(StageResult("triton", status, time.perf_counter() - start,
                                        dir_bytes(tmp / "triton") if (tmp / "triton").exists() else 0, facts=facts))
-        manifest = build_manifest(plan, fps, [r.as_dict() for r in results], launch, {})
+        manifest = build_manifest(plan, fps, [r.as_dict() for r in results], launch,
+                                  {"tensor_groups": tensor_group_report(plan, tmp)})
         write_manifest(tmp, manifest)
         results.append(StageResult("manifest", "run", 0.0, dir_bytes(tmp / "manifest.json")))
         tmp.chmod(0o755)
@@ -195,7 +205,8 @@ def prepare(config_path: Path, options: BuildOptions) -> BuildPlan:
     """Steps 1-2: validated config, sources and plan (no writes)."""
     config_path = Path(config_path)
     cfg = load_build_config(config_path)
-    src = load_sources(cfg, config_path.resolve().parent, options.default_target, require=not options.dry_run)
+    src = load_sources(cfg, config_path.resolve().parent, options.default_target, require=not options.dry_run,
+                       tiny_gpt_oss=options.tiny_gpt_oss)
     return make_plan(cfg, Path(options.output), src)
 
 

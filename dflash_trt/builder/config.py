@@ -10,7 +10,21 @@ GPU architectures (CUDA compute capability -> name): sm_80 A100 (Ampere: no FP8,
 sm_89 L40S/RTX 4090 (Ada: FP8), sm_90 H100/H200 (Hopper: FP8, no FP4 tensor cores),
 sm_100 B200/GB200 (Blackwell: FP8 + NVFP4), sm_103 B300/GB300 (Blackwell Ultra: FP8 + NVFP4),
 sm_120 RTX PRO 6000 / RTX 5090 (Blackwell workstation: FP8 + NVFP4); `cpu` is the torch backend
-on this project's CPU path (FP8/NVFP4 emulated).
+on this project's CPU path (FP8/NVFP4 emulated). `mxfp4` is gpt-oss's release format (MXFP4
+experts, BF16 elsewhere), shipped unchanged; TensorRT-LLM runs it with MXFP4 MoE kernels from
+Hopper on (W4A16 on sm_90, MXFP8 or FP8 activations on Blackwell: a run-time choice,
+`tensorrt_llm/_torch/model_config.py` @ 008e0af8980fc560003631ba4ac37828836a91c8).
+
+Quantization per architecture (what upstream loaders take):
+- Llama / Qwen3 targets: FP8 or NVFP4 in the ModelOpt HF format (their loaders match ModelOpt's
+  Hugging Face-named exclusions, `model.layers.*`).
+- gpt-oss targets: `mxfp4` (the release as is) or `none` (a BF16 checkpoint as is). TensorRT-LLM's
+  gpt-oss loader takes BF16 or MXFP4 experts only and skips per-layer mixed precision
+  (`_torch/models/modeling_gpt_oss.py` @ 050b6cb92871a4ed73486c5e5a573d4198d1a6d9), so FP8 / NVFP4
+  gpt-oss builds are refused; `dflash-trt quantize` still writes them for the torch runtime.
+- Drafters for TensorRT-LLM are BF16: its DFlash draft model slices the raw q/k/v weights into a
+  fused context-K/V GEMM with no weight scale (`_torch/models/modeling_dflash.py` @
+  009d8fa431bd3de92245aab80f8b57dc70da1ac4). FP8 drafters are a torch-backend feature.
 """
 from __future__ import annotations
 
@@ -26,19 +40,22 @@ GPU_ARCHS: dict[str, tuple[str, frozenset[str]]] = {
     # name -> (what it is, quantization formats its tensor cores run)
     "sm_80": ("Ampere A100", frozenset({"none"})),
     "sm_89": ("Ada L40S / RTX 4090", frozenset({"none", "fp8"})),
-    "sm_90": ("Hopper H100 / H200", frozenset({"none", "fp8"})),
-    "sm_100": ("Blackwell B200 / GB200", frozenset({"none", "fp8", "nvfp4"})),
-    "sm_103": ("Blackwell Ultra B300 / GB300", frozenset({"none", "fp8", "nvfp4"})),
-    "sm_120": ("Blackwell RTX PRO 6000 / RTX 5090", frozenset({"none", "fp8", "nvfp4"})),
-    "cpu": ("CPU (torch backend, FP8/NVFP4 emulated)", frozenset({"none", "fp8", "nvfp4"})),
+    "sm_90": ("Hopper H100 / H200", frozenset({"none", "fp8", "mxfp4"})),
+    "sm_100": ("Blackwell B200 / GB200", frozenset({"none", "fp8", "nvfp4", "mxfp4"})),
+    "sm_103": ("Blackwell Ultra B300 / GB300", frozenset({"none", "fp8", "nvfp4", "mxfp4"})),
+    "sm_120": ("Blackwell RTX PRO 6000 / RTX 5090", frozenset({"none", "fp8", "nvfp4", "mxfp4"})),
+    "cpu": ("CPU (torch backend, FP8/NVFP4 emulated)", frozenset({"none", "fp8", "nvfp4", "mxfp4"})),
 }
 GpuArch = Literal["sm_80", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
 Backend = Literal["trtllm-pytorch", "trtllm-engine", "torch"]
-TargetQuant = Literal["none", "fp8", "nvfp4"]
+TargetQuant = Literal["none", "fp8", "nvfp4", "mxfp4"]
+CheckpointDtype = Literal["bfloat16", "float16", "float32"]
 DrafterQuant = Literal["none", "fp8"]
 KvDtype = Literal["auto", "fp8", "bfloat16", "float16", "float32"]
 MoeBackend = Literal["CUTLASS", "TRTLLM", "TRITON", "DEEPGEMM", "CUTEDSL", "VANILLA"]
-SOURCE_ALIASES = ("@default", "@shipped")  # the embedded SmolLM2 target / the shipped drafter
+# the embedded SmolLM2 target / the shipped drafter / the tiny gpt-oss stand-in (MXFP4 release layout,
+# written once into the cache) and its drafter
+SOURCE_ALIASES = ("@default", "@shipped", "@tiny-gpt-oss", "@tiny-gpt-oss-drafter")
 
 
 class _Strict(BaseModel):
@@ -59,11 +76,14 @@ class TargetSection(_Strict):
     intermediate_size: int = Field(ge=1)
     vocab_size: int = Field(ge=2)
     num_experts: int = Field(default=0, ge=0, description="0 for dense models")
+    tie_word_embeddings: bool = False
+    dtype: CheckpointDtype = Field(default="bfloat16", description="dtype of the checkpoint's float tensors")
     quantization: TargetQuant = "none"
 
 
 class DrafterSection(_Strict):
     path: str = Field(min_length=1, description="DFlash drafter directory, or @shipped")
+    num_hidden_layers: int | None = Field(default=None, ge=1, description="sizes a dry run without the drafter")
     quantization: DrafterQuant = "none"
 
 
@@ -100,7 +120,9 @@ class BuildConfig(_Strict):
     max_draft_len: int = Field(ge=1, le=63)
     moe_backend: MoeBackend | None = None
     cuda_graph_batch_sizes: list[int] = Field(default_factory=list)
-    calibration_samples: int = Field(default=16, ge=1, le=4096)
+    calibration_samples: int = Field(default=512, ge=1, le=4096,
+                                     description="prompts for FP8/NVFP4 activation scales; unused when "
+                                                 "nothing is quantized")
     serve: ServeSection = ServeSection()
 
     @model_validator(mode="after")
@@ -157,6 +179,16 @@ def _quant_rules(cfg: BuildConfig) -> None:
             hint = " (Hopper has FP8 but no FP4 tensor cores: use fp8)" if fmt == "nvfp4" and cfg.gpu_arch == "sm_90" else ""
             raise ConfigError(f"{what}: {fmt} is not supported on {cfg.gpu_arch} ({desc}){hint}; "
                               f"supported there: {', '.join(sorted(formats))}")
+    arch, tq = cfg.target.architecture, cfg.target.quantization
+    if tq == "mxfp4" and arch != "gpt_oss":
+        raise ConfigError(f"target.quantization mxfp4 keeps gpt-oss's released MXFP4 experts; a {arch} target has "
+                          "none: use fp8 or nvfp4")
+    if arch == "gpt_oss" and tq in ("fp8", "nvfp4"):
+        raise ConfigError(f"target.quantization {tq} for gpt-oss: TensorRT-LLM's gpt-oss loader takes BF16 or "
+                          "MXFP4 experts and no FP8/NVFP4 attention; use mxfp4 (the release as is) or none")
+    if cfg.drafter.quantization == "fp8" and cfg.backend.startswith("trtllm"):
+        raise ConfigError("drafter.quantization fp8 with a TensorRT-LLM backend: its DFlash drafter multiplies the "
+                          "raw q/k/v weights with no scale, so it must be BF16; use none (FP8 drafters: backend torch)")
     if cfg.kv_cache_dtype == "fp8" and "fp8" not in formats:
         raise ConfigError(f"kv_cache_dtype fp8 needs FP8 support, which {cfg.gpu_arch} ({desc}) lacks: use auto")
 

@@ -3,7 +3,8 @@
 Keys: format/format_version, versions (dflash_trt, python, torch, transformers, tensorrt_llm),
 created, name, config (the full build config), config_sha256, sources (paths + fingerprints),
 stages ([{name, status, seconds, bytes, key, facts}]), dflash (block size, draft length, mask id,
-the target layers tapped and how their hidden states reach the drafter), outputs, launch.
+the target layers tapped and how their hidden states reach the drafter), outputs, launch,
+tensor_groups (per stage: what each tensor group became, the plan's estimate and the bytes written).
 """
 from __future__ import annotations
 
@@ -74,6 +75,24 @@ def build_manifest(plan: BuildPlan, fingerprints: dict, stages: list[dict], laun
         "launch": launch,
         **extra,
     }
+
+
+def tensor_group_report(plan: BuildPlan, out: Path) -> dict:
+    """For target/ and drafter/ of the assembled directory `out`: the plan's per-group estimate
+    (source format -> written format, bytes) next to the bytes each group takes on disk."""
+    from dflash_trt.builder.sizes import dir_bytes, measure
+
+    report = {}
+    for stage in plan.stages:
+        if stage.tensor_groups is None:
+            continue
+        written = measure(out / stage.output)
+        groups = [dict(g.as_dict(), written_bytes=written.pop(g.group, 0)) for g in stage.tensor_groups.groups]
+        if written:
+            raise AssertionError(f"{stage.name}: groups {sorted(written)} were written but not planned")
+        report[stage.name] = {**stage.tensor_groups.as_dict(), "groups": groups,
+                              "written_bytes": dir_bytes(out / stage.output)}
+    return report
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

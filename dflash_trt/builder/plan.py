@@ -1,9 +1,11 @@
 """The build plan: which stages run for a config, what each one writes, the commands it stands for,
-and estimated output sizes (parameters x bytes per format). `--dry-run` prints it and writes nothing.
+and per tensor group what it becomes and its estimated size (dflash_trt.builder.sizes). `--dry-run`
+prints it and writes nothing.
 
 Stages, in order (cached ones are keyed by a hash of their inputs, see builder.py):
-  target   quantize (fp8 / nvfp4, ModelOpt HF format) or link the target checkpoint -> target/
-  drafter  quantize (fp8) or link the DFlash drafter -> drafter/
+  target   quantize (fp8 / nvfp4, ModelOpt HF format) or copy the target checkpoint (none, and the
+           gpt-oss MXFP4 release: mxfp4) -> target/
+  drafter  quantize (fp8, torch backend), write in BF16 (TensorRT-LLM) or copy the drafter -> drafter/
   shard    TP/EP-sharded legacy checkpoint (config.json + rank{N}.safetensors) -> shards/target/
            (torch backend with tp > 1, and the trtllm-engine path; TensorRT-LLM's PyTorch backend
            shards the HF checkpoint itself at load time)
@@ -17,18 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_trt.builder import trtllm
+from dflash_trt.builder import sizes, trtllm
 from dflash_trt.builder.config import GPU_ARCHS, BuildConfig
-from dflash_trt.builder.sources import (
-    Sources,
-    drafter_param_counts,
-    estimated_bytes,
-    human_bytes,
-    target_param_counts,
-)
+from dflash_trt.builder.sizes import SizeEstimate
+from dflash_trt.builder.sources import Sources, human_bytes
+from dflash_trt.checkpoint.modelopt_hf import COPIED_FILES
 
 CACHED_STAGES = ("target", "drafter", "shard", "engine")
 ASSEMBLY_STAGES = ("triton", "deploy", "manifest")
+MODELOPT_COPIED = ("config.json", *COPIED_FILES)  # what a quantized target stage copies besides the weights
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,7 @@ class StagePlan:
     commands: tuple[str, ...] = ()
     est_bytes: int | None = None
     cached: bool = True
+    tensor_groups: SizeEstimate | None = None  # per tensor group (target and drafter stages)
 
 
 @dataclass(frozen=True)
@@ -57,64 +57,117 @@ class BuildPlan:
     def has(self, name: str) -> bool:
         return any(s.name == name for s in self.stages)
 
+    @property
+    def est_bytes(self) -> int:
+        """Everything the output directory's weights take: target, drafter and shards/engine."""
+        return sum(s.est_bytes for s in self.stages if s.est_bytes is not None)
+
 
 def needs_shards(cfg: BuildConfig) -> bool:
     return cfg.backend == "trtllm-engine" or (cfg.backend == "torch" and cfg.parallel.tp > 1)
 
 
-def high_precision_bytes(cfg: BuildConfig) -> float:
-    return 4.0 if cfg.gpu_arch == "cpu" else 2.0  # float32 on the CPU path, bf16 on GPUs
+def _target_stage(cfg: BuildConfig, src: Sources) -> tuple[StagePlan, list]:
+    specs, basis = sizes.target_source_specs(cfg, src.target_tensors, src.target_path)
+    mode = sizes.target_mode(cfg)
+    here = src.target_path if src.target_exists else None
+    other = sizes.other_files_bytes(here, None if mode == "copy" else MODELOPT_COPIED)
+    estimate = sizes.estimate(specs, mode, other, basis)
+    tq = cfg.target.quantization
+    if tq == "mxfp4":
+        what = (f"copy the gpt-oss release {src.target_path} unchanged: MXFP4 experts and BF16 attention, router, "
+                "embeddings as released (no hf_quant_config.json; TensorRT-LLM reads quantization_config)")
+    elif tq == "none":
+        what = f"copy {src.target_path} unchanged"
+    else:
+        what = (f"quantize {src.target_path} to {tq.upper()} (ModelOpt HF format, {cfg.calibration_samples} "
+                "calibration prompts)")
+    return StagePlan("target", "target", what, est_bytes=estimate.total, tensor_groups=estimate), \
+        sizes.written_specs(specs, mode)
+
+
+def _drafter_stage(cfg: BuildConfig, src: Sources) -> StagePlan:
+    specs, basis = sizes.drafter_source_specs(cfg, src.drafter_tensors, src.drafter_path)
+    mode = sizes.drafter_mode(cfg)
+    estimate = sizes.estimate(specs, mode, sizes.other_files_bytes(src.drafter_path if src.drafter_exists else None),
+                              basis)
+    what = {"fp8": f"quantize the drafter {src.drafter_path} to FP8 (fc and norms kept)",
+            "bf16": f"write the drafter {src.drafter_path} in BF16 (TensorRT-LLM's DFlash drafter runs unscaled "
+                    "BF16 weights; copied when it already is)",
+            "copy": f"copy the drafter {src.drafter_path} unchanged"}[mode]
+    return StagePlan("drafter", "drafter", what, est_bytes=estimate.total, tensor_groups=estimate)
+
+
+def launch_commands(cfg: BuildConfig, out: Path) -> tuple[str, ...]:
+    """The ways to start the build: torch TP > 1 only under mpirun (one rank per process),
+    TensorRT-LLM also through Slurm."""
+    serve, mpirun = trtllm.shell_line(trtllm.serve_argv(cfg, out)), trtllm.shell_line(trtllm.mpirun_argv(cfg, out))
+    if cfg.backend == "torch":
+        return (mpirun,) if cfg.parallel.tp > 1 else (serve,)
+    return serve, mpirun, trtllm.shell_line(trtllm.srun_argv(cfg, out))
 
 
 def make_plan(cfg: BuildConfig, out: Path, src: Sources) -> BuildPlan:
     out = Path(out).resolve()
-    hp = high_precision_bytes(cfg)
-    t_lin, t_other = target_param_counts(cfg)
-    d_lin, d_other = drafter_param_counts(cfg, src.drafter_config)
-    t_bytes = estimated_bytes(t_lin, t_other, cfg.target.quantization, hp)
-    d_bytes = estimated_bytes(d_lin, d_other, cfg.drafter.quantization, hp)
-    tq, dq = cfg.target.quantization, cfg.drafter.quantization
-    stages = [
-        StagePlan("target", "target", (f"quantize {src.target_path} to {tq.upper()} (ModelOpt HF format, "
-                                       f"{cfg.calibration_samples} calibration prompts)") if tq != "none"
-                  else f"link {src.target_path} unchanged", est_bytes=t_bytes),
-        StagePlan("drafter", "drafter", (f"quantize the drafter {src.drafter_path} to FP8 (fc and norms kept)"
-                                         if dq != "none" else f"link the drafter {src.drafter_path} unchanged"),
-                  est_bytes=d_bytes),
-    ]
+    target, written = _target_stage(cfg, src)
+    stages = [target, _drafter_stage(cfg, src)]
     p = cfg.parallel
     if needs_shards(cfg):
         ep = f", EP {p.ep} x MoE-TP {p.tp // p.ep}" if cfg.is_moe else ""
+        copied = sizes.other_files_bytes(src.target_path if src.target_exists else None)
+        kind = ("Hugging Face-named shards for the torch TP runtime" if cfg.target.quantization in ("none", "mxfp4")
+                else "a TensorRT-LLM legacy checkpoint")
         stages.append(StagePlan("shard", "shards/target",
-                                f"shard target/ into a TensorRT-LLM legacy checkpoint: TP {p.tp}{ep}, PP {p.pp} "
-                                f"-> {p.ranks} x rank{{N}}.safetensors", est_bytes=t_bytes))
+                                f"shard target/ into {kind}: TP {p.tp}{ep}, PP {p.pp} -> {p.ranks} x rank{{N}}.safetensors",
+                                est_bytes=sizes.shard_bytes(cfg, written) + copied))
     if cfg.backend == "trtllm-engine":
         cmd = trtllm.trtllm_build_argv(cfg, out / "shards" / "target", out / "engine",
                                        out / "engine" / trtllm.MODEL_CLASS_FILE)
         stages.append(StagePlan("engine", "engine",
                                 f"trtllm-build (TensorRT-LLM {trtllm.ENGINE_TRTLLM_SERIES}x) with the tapped layers' "
                                 f"hidden states marked as engine outputs ({trtllm.MODEL_CLASS_NAME})",
-                                commands=(trtllm.shell_line(cmd),), est_bytes=t_bytes))
+                                commands=(trtllm.shell_line(cmd),), est_bytes=target.est_bytes))
     if cfg.serve.triton:
         stages.append(StagePlan("triton", "triton", f"Triton model repository (python backend, model "
                                 f"'{cfg.serve.triton_model_name}')", cached=False))
-    launch = [trtllm.shell_line(trtllm.serve_argv(cfg, out)), trtllm.shell_line(trtllm.mpirun_argv(cfg, out))]
-    if cfg.backend != "torch":
-        launch.append(trtllm.shell_line(trtllm.srun_argv(cfg, out)))
     stages.append(StagePlan("deploy", "llm_api_options.yaml, launch/",
-                            "LLM-API options for `--config` and launch scripts", commands=tuple(launch), cached=False))
-    stages.append(StagePlan("manifest", "manifest.json", "versions, source hashes, config, stages, taps",
+                            "LLM-API options for `--config` and launch scripts", commands=launch_commands(cfg, out),
+                            cached=False))
+    stages.append(StagePlan("manifest", "manifest.json", "versions, source hashes, config, stages, tensor groups, taps",
                             cached=False))
     return BuildPlan(cfg, out, src, tuple(stages))
 
 
+def _layout_line(cfg: BuildConfig) -> str:
+    p = cfg.parallel
+    where = (f"{p.ranks} process(es) on this machine" if cfg.gpu_arch == "cpu"
+             else f"{p.ranks} ranks on {p.nodes} node(s) x {p.gpus_per_node} GPUs")
+    ep = f" (EP {p.ep})" if cfg.is_moe else ""
+    return f"  backend {cfg.backend} on {cfg.gpu_arch} ({GPU_ARCHS[cfg.gpu_arch][0]}); TP {p.tp} x PP {p.pp}{ep} = {where}"
+
+
+def _group_lines(estimate: SizeEstimate) -> list[str]:
+    rows = [("tensor group", "params", "source", "written", "size")]
+    for g in estimate.groups:
+        rows.append((g.group, _count(g.params), g.source, g.output, human_bytes(g.est_bytes)))
+    rows.append(("headers, other files", "", "", "", human_bytes(estimate.other_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["       " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + f"  {r[4]:>10}" for r in rows]
+    return lines + [f"       (from {estimate.basis})"]
+
+
+def _count(n: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def format_plan(plan: BuildPlan) -> str:
     cfg, src = plan.config, plan.sources
-    p = cfg.parallel
     lines = [
         f"build plan '{cfg.name}' -> {plan.out}",
-        f"  backend {cfg.backend} on {cfg.gpu_arch} ({GPU_ARCHS[cfg.gpu_arch][0]}); "
-        f"TP {p.tp} x PP {p.pp} (EP {p.ep}) = {p.ranks} ranks on {p.nodes} node(s) x {p.gpus_per_node} GPUs",
+        _layout_line(cfg),
         f"  target  {src.target_path} [{cfg.target.architecture}, {cfg.target.num_hidden_layers} layers"
         f"{f', {cfg.target.num_experts} experts' if cfg.is_moe else ''}] "
         f"{'found' if src.target_exists else 'NOT FOUND here (checked when building)'}",
@@ -127,10 +180,9 @@ def format_plan(plan: BuildPlan) -> str:
         size = f"  ~{human_bytes(s.est_bytes)}" if s.est_bytes is not None else ""
         lines.append(f"  {i}. {s.name:<8} -> {s.output or '-'}{size}")
         lines.append(f"       {s.what}")
+        if s.tensor_groups is not None:
+            lines.extend(_group_lines(s.tensor_groups))
         lines.extend(f"       $ {c}" for c in s.commands)
-    total = sum(s.est_bytes for s in plan.stages if s.est_bytes is not None and s.name in ("target", "drafter"))
-    lines.append(f"estimated output size: ~{human_bytes(total)} (target + drafter; shards/engine hold "
-                 "another copy of the target when present)")
-    if src.drafter_config is None:
-        lines.append("  (drafter size assumes 5 layers: its config is not on this machine)")
+    parts = " + ".join(s.name for s in plan.stages if s.est_bytes is not None)
+    lines.append(f"estimated output size: ~{human_bytes(plan.est_bytes)} = {plan.est_bytes / 1e9:.2f} GB ({parts})")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The build's inputs on disk: path aliases, the real configs, expectation checks, size estimates and
+"""The build's inputs on disk: path aliases, the real configs and tensor lists, expectation checks and
 source fingerprints.
 
 Checks against real checkpoints run only when the paths exist (a dry run on a laptop can plan a
@@ -12,17 +12,17 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.config import BuildConfig
+from dflash_trt.builder.config import SOURCE_ALIASES, BuildConfig
+from dflash_trt.checkpoint.layout import TensorSpec, expert_format_of, float_dtype_of, read_specs
 from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target, check_target_layer_ids
 from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.fileio import INDEX_NAME
 from dflash_trt.models.transformer import head_dim_of
 
 log = logging.getLogger(__name__)
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "assets" / "smollm2-135m-dflash"
 FULL_HASH_LIMIT = 64 << 20  # files above this are fingerprinted by (size, mtime) instead of content
-ASSUMED_DRAFTER_LAYERS = 5  # for size estimates when the drafter config is not on disk
-WEIGHT_BYTES = {"none": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1.0 / 16}  # + FP8 block scale per 16 values
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,19 @@ class Sources:
     drafter_exists: bool
     target_config: object | None  # transformers PretrainedConfig
     drafter_config: DrafterConfig | None
+    target_tensors: tuple[TensorSpec, ...] | None = None  # from the safetensors headers, when on disk
+    drafter_tensors: tuple[TensorSpec, ...] | None = None
 
     @property
     def complete(self) -> bool:
         return self.target_exists and self.drafter_exists
 
 
-def resolve_path(text: str, default_target: Path | None, base: Path) -> Path:
+def resolve_path(text: str, default_target: Path | None, base: Path, tiny_gpt_oss: Path | None = None) -> Path:
     """`@default` -> the embedded SmolLM2 directory (given by the caller), `@shipped` -> the shipped
-    drafter; relative paths are relative to the build config's folder."""
+    drafter, `@tiny-gpt-oss` / `@tiny-gpt-oss-drafter` -> target/ and drafter/ of the tiny gpt-oss
+    stand-in root (given by the caller, which writes it once); relative paths are relative to the
+    build config's folder."""
     if text == "@default":
         if default_target is None:
             raise ConfigError("target.path is @default (the embedded SmolLM2) but no default target directory "
@@ -51,8 +55,13 @@ def resolve_path(text: str, default_target: Path | None, base: Path) -> Path:
         return default_target
     if text == "@shipped":
         return SHIPPED_DRAFTER
+    if text in ("@tiny-gpt-oss", "@tiny-gpt-oss-drafter"):
+        if tiny_gpt_oss is None:
+            raise ConfigError(f"{text} (the tiny gpt-oss stand-in) needs its directory: run through "
+                              "`dflash-trt build`, which writes it once into the cache")
+        return tiny_gpt_oss / ("drafter" if text.endswith("-drafter") else "target")
     if text.startswith("@"):
-        raise ConfigError(f"unknown path alias '{text}' (known: @default, @shipped)")
+        raise ConfigError(f"unknown path alias '{text}' (known: {', '.join(SOURCE_ALIASES)})")
     path = Path(text).expanduser()
     return (path if path.is_absolute() else base / path).resolve()
 
@@ -66,11 +75,34 @@ def _real_dims(config) -> dict[str, int | str]:
         "num_key_value_heads": config.num_key_value_heads, "head_dim": head_dim,
         "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
         "num_experts": getattr(config, "num_local_experts", 0) or 0,  # dense configs lack the field
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
     }
 
 
+def _check_tensors(cfg: BuildConfig, src: Sources) -> None:
+    """The YAML's dtype and expert layout vs the target's safetensors headers."""
+    tensors = list(src.target_tensors)
+    dtype = float_dtype_of(tensors)
+    if dtype != cfg.target.dtype:
+        raise ConfigError(f"target {src.target_path} stores {dtype} tensors, the build config says target.dtype "
+                          f"{cfg.target.dtype}: fix target.dtype")
+    experts = expert_format_of(tensors)
+    if experts == "mxfp4" and cfg.target.quantization != "mxfp4":
+        raise ConfigError(f"target {src.target_path} has MXFP4 experts (the gpt-oss release): set target.quantization "
+                          "mxfp4 to ship them as released")
+    if cfg.target.quantization == "mxfp4":
+        from dflash_trt.checkpoint.gpt_oss import check_mxfp4_release
+
+        try:
+            check_mxfp4_release(src.target_path)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def check_against_real(cfg: BuildConfig, src: Sources) -> None:
-    """YAML expectations vs config.json; drafter vs target; limits vs the models."""
+    """YAML expectations vs config.json and the tensors; drafter vs target; limits vs the models."""
+    if src.target_tensors is not None:
+        _check_tensors(cfg, src)
     if src.target_config is not None:
         real = _real_dims(src.target_config)
         wrong = [f"{k}: YAML {getattr(cfg.target, k)!r}, config.json {v!r}" for k, v in real.items()
@@ -91,6 +123,9 @@ def check_against_real(cfg: BuildConfig, src: Sources) -> None:
                               f"and {d.num_target_layers} layers, the build config's target has "
                               f"{cfg.target.hidden_size} and {cfg.target.num_hidden_layers}: use the drafter "
                               "trained for this target")
+        if cfg.drafter.num_hidden_layers is not None and cfg.drafter.num_hidden_layers != d.num_hidden_layers:
+            raise ConfigError(f"drafter {src.drafter_path} has {d.num_hidden_layers} layers, the build config says "
+                              f"drafter.num_hidden_layers {cfg.drafter.num_hidden_layers}: fix it or remove it")
         check_target_layer_ids(d.target_layer_ids, cfg.target.num_hidden_layers, f"drafter {src.drafter_path}")
         if not 0 <= d.mask_token_id < cfg.target.vocab_size:
             raise ConfigError(f"drafter mask_token_id {d.mask_token_id} is outside the target vocabulary "
@@ -99,12 +134,20 @@ def check_against_real(cfg: BuildConfig, src: Sources) -> None:
         check_drafter_matches_target(src.drafter_config, TargetInfo.from_hf_config(src.target_config))
 
 
-def load_sources(cfg: BuildConfig, base: Path, default_target: Path | None, require: bool) -> Sources:
+def _tensors(directory: Path) -> tuple[TensorSpec, ...] | None:
+    """The checkpoint's tensors from its headers; None when only its config is here (a dry run)."""
+    if not ((directory / INDEX_NAME).is_file() or any(directory.glob("*.safetensors"))):
+        return None
+    return tuple(read_specs(directory))
+
+
+def load_sources(cfg: BuildConfig, base: Path, default_target: Path | None, require: bool,
+                 tiny_gpt_oss: Path | None = None) -> Sources:
     """Resolve and read the inputs. `require=True` (a real build) makes missing paths an error."""
     from dflash_trt.models.target import load_hf_config
 
-    target = resolve_path(cfg.target.path, default_target, base)
-    drafter = resolve_path(cfg.drafter.path, default_target, base)
+    target = resolve_path(cfg.target.path, default_target, base, tiny_gpt_oss)
+    drafter = resolve_path(cfg.drafter.path, default_target, base, tiny_gpt_oss)
     t_ok, d_ok = (target / "config.json").is_file(), (drafter / "config.json").is_file()
     if require and not t_ok:
         raise CheckpointError(f"target checkpoint not found: {target}/config.json does not exist "
@@ -113,46 +156,13 @@ def load_sources(cfg: BuildConfig, base: Path, default_target: Path | None, requ
         hint = " (the shipped drafter is produced by `dflash-trt train`; see README)" if drafter == SHIPPED_DRAFTER else ""
         raise CheckpointError(f"drafter checkpoint not found: {drafter}/config.json does not exist{hint}")
     src = Sources(target, drafter, t_ok, d_ok, load_hf_config(target) if t_ok else None,
-                  DrafterConfig.load(drafter) if d_ok else None)
+                  DrafterConfig.load(drafter) if d_ok else None,
+                  _tensors(target) if t_ok else None, _tensors(drafter) if d_ok else None)
     check_against_real(cfg, src)
     return src
 
 
-# ---- sizes -----------------------------------------------------------------------------------
-
-def target_param_counts(cfg: BuildConfig) -> tuple[int, int]:
-    """(quantized linear params, params kept in high precision: embeddings, lm_head, MoE experts and
-    routers) of the target, as dflash_trt.checkpoint.quantized splits them."""
-    t = cfg.target
-    q_dim, kv_dim = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
-    attn = t.hidden_size * (2 * q_dim + 2 * kv_dim)
-    if t.num_experts:  # experts are 3-D tensors that dflash_trt.checkpoint.quantized keeps unquantized
-        dense, experts = 0, t.num_experts * 3 * t.hidden_size * t.intermediate_size + t.hidden_size * t.num_experts
-    else:
-        dense, experts = 3 * t.hidden_size * t.intermediate_size, 0
-    linear = t.num_hidden_layers * (attn + dense)
-    other = 2 * t.vocab_size * t.hidden_size + t.num_hidden_layers * experts
-    return linear, other
-
-
-def drafter_param_counts(cfg: BuildConfig, drafter: DrafterConfig | None) -> tuple[int, int]:
-    """(quantizable linear params, fc + norms) of the drafter; estimated when its config is absent."""
-    t = cfg.target
-    if drafter is not None:
-        h, i, layers = drafter.hidden_size, drafter.intermediate_size, drafter.num_hidden_layers
-        q, kv, n_ids = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim, drafter.num_target_layer_ids
-    else:
-        h, i, layers = t.hidden_size, t.intermediate_size, ASSUMED_DRAFTER_LAYERS
-        q, kv, n_ids = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim, ASSUMED_DRAFTER_LAYERS
-    linear = layers * (h * (2 * q + 2 * kv) + 3 * h * i)
-    return linear, n_ids * h * h + (2 * layers + 2) * h
-
-
-def estimated_bytes(linear: int, other: int, fmt: str, high_precision_bytes: float) -> int:
-    """Weights of a checkpoint: quantized linears at the format's bytes/param, the rest unquantized."""
-    per = high_precision_bytes if fmt == "none" else WEIGHT_BYTES[fmt]
-    return int(linear * per + other * high_precision_bytes)
-
+# ---- sizes (estimates: dflash_trt.builder.sizes) -------------------------------------------
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

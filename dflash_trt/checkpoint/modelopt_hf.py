@@ -39,7 +39,7 @@ from dflash_trt.quant.nvfp4 import BLOCK_SIZE
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 FORMAT = "modelopt-hf"
-_COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
            "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 
 
@@ -101,7 +101,7 @@ def _write(out_dir: Path, config: dict, plan: QuantPlan, state: dict[str, torch.
         write_safetensors(tmp / "model.safetensors", _to_disk(state), metadata=prov.metadata())
         write_json(tmp / PROVENANCE_FILE, prov.to_json())
         if copy_from is not None:
-            for name in _COPIED:
+            for name in COPIED_FILES:
                 if (Path(copy_from) / name).is_file():
                     shutil.copy2(Path(copy_from) / name, tmp / name)
     return Path(out_dir)

@@ -1,8 +1,10 @@
-"""Real CPU builds: the tiny gpt-oss stand-in of the gpt-oss-120b config (FP8 target, TP2 x EP2
-shards), interrupted with SIGKILL mid-stage and re-run, its output loaded by our runtime; and the
-CPU default (embedded SmolLM2) served by `dflash-trt serve` from the built directory."""
+"""Real CPU builds: the tiny gpt-oss stand-in of the gpt-oss-120b config (the MXFP4 release layout,
+copied as is; TP2 x EP2 shards for the torch runtime), interrupted with SIGKILL mid-stage and
+re-run, its output loaded and served by our runtime, its size estimates checked against what it
+wrote; and the CPU default (embedded SmolLM2) served by `dflash-trt serve` from the built directory."""
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import signal
@@ -21,20 +23,8 @@ from dflash_trt.builder.builder import BuildOptions, build
 from dflash_trt.engine import EngineConfig, SamplingParams
 
 CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
+TINY = CONFIGS / "tiny-gpt-oss_cpu_tp2_mxfp4.yaml"
 DFLASH = [sys.executable, "-m", "dflash_trt.cli"]
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt_oss(tmp_path_factory) -> Path:
-    """The stand-in config copied next to a saved tiny GptOss checkpoint + drafter."""
-    from dflash_trt.models.tiny import save_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("tiny_gpt_oss")
-    save_tiny_checkpoint(root / "tiny-gpt-oss", "gpt_oss", block_size=8)
-    raw = yaml.safe_load((CONFIGS / "tiny-gpt-oss_cpu_tp2_fp8.yaml").read_text())
-    raw["calibration_samples"] = 2
-    (root / "cfg.yaml").write_text(yaml.safe_dump(raw))
-    return root
 
 
 def _greedy(target, drafter, prompt: list[int], spec: bool, n: int = 12) -> list[int]:
@@ -45,13 +35,16 @@ def _greedy(target, drafter, prompt: list[int], spec: bool, n: int = 12) -> list
 
 
 @pytest.fixture(scope="module")
-def built(tiny_gpt_oss) -> tuple[Path, object]:
-    """Start a build in a subprocess, SIGKILL it while it sleeps inside the shard stage, check no
-    output directory exists, then re-run it (in process): finished stages are skipped."""
-    root, out = tiny_gpt_oss, tiny_gpt_oss / "out"
-    cache = root / "out.build-cache"
-    proc = subprocess.Popen([*DFLASH, "build", str(root / "cfg.yaml"), "--output", str(out), "--no-progress",
-                             "--test-stage-delay", "shard=120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def built(tmp_path_factory) -> tuple[Path, object, Path]:
+    """Start the shipped stand-in config's build in a subprocess (it writes `@tiny-gpt-oss` into
+    its cache dir first), SIGKILL it while it sleeps inside the shard stage, check no output
+    directory exists, then re-run it (in process): finished stages are skipped.
+    Returns (output dir, report, stand-in root)."""
+    root = tmp_path_factory.mktemp("tiny_gpt_oss")
+    out, cache = root / "out", root / "out.build-cache"
+    proc = subprocess.Popen([*DFLASH, "build", str(TINY), "--output", str(out), "--no-progress",
+                             "--cache-dir", str(root / "cache"), "--test-stage-delay", "shard=120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while not list(cache.glob("shard.tmp-*/rank1.safetensors")) and not list(cache.glob("shard.tmp-*/config.json")):
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
@@ -62,12 +55,13 @@ def built(tiny_gpt_oss) -> tuple[Path, object]:
     assert not out.exists(), "an interrupted build left its output directory"
     assert [p.name for p in out.parent.glob(".out.tmp-*")] == []
     assert len(list(cache.glob("target-*/.done.json"))) == 1  # finished before the kill
-    report = build(root / "cfg.yaml", BuildOptions(output=out, progress=False))
-    return out, report
+    tiny = root / "cache" / "tiny-gpt-oss-mxfp4"
+    report = build(TINY, BuildOptions(output=out, progress=False, tiny_gpt_oss=tiny))
+    return out, report, tiny
 
 
 def test_interrupted_build_reruns_and_skips_finished_stages(built):
-    out, report = built
+    out, report, _ = built
     status = {r.name: r.status for r in report.results}
     assert status["target"] == "skipped" and status["drafter"] == "skipped"
     assert status["shard"] == "run" and status["triton"] == "run" and status["manifest"] == "run"
@@ -76,50 +70,99 @@ def test_interrupted_build_reruns_and_skips_finished_stages(built):
     assert "skipped" in table and "shard" in table and "seconds" in table
 
 
-def test_output_layout_and_manifest(built, tiny_gpt_oss):
+def test_output_keeps_the_mxfp4_release_and_says_what_each_group_became(built):
+    """target/ is the release layout byte for byte (MXFP4 experts, BF16 elsewhere, no ModelOpt
+    config); manifest.json records per tensor group the source and written formats, the estimate
+    and the bytes written."""
     from dflash_trt.config import DrafterConfig
     from dflash_trt.serve.config import parse_llm_api_config
 
-    out, _ = built
-    for rel in ("target/hf_quant_config.json", "target/model.safetensors", "drafter/config.json",
+    out, _, tiny = built
+    for rel in ("target/config.json", "target/model.safetensors", "drafter/config.json",
                 "shards/target/rank0.safetensors", "shards/target/rank1.safetensors", "llm_api_options.yaml",
-                "launch/env.sh", "launch/serve.sh", "launch/mpirun.sh", "triton/tiny/config.pbtxt",
-                "triton/tiny/1/model.yaml", "manifest.json"):
+                "launch/mpirun.sh", "triton/tiny/config.pbtxt", "triton/tiny/1/model.yaml", "manifest.json"):
         assert (out / rel).is_file(), rel
-    drafter = DrafterConfig.load(tiny_gpt_oss / "tiny-gpt-oss" / "drafter")
+    assert not (out / "target" / "hf_quant_config.json").exists()
+    assert filecmp.cmp(out / "target" / "model.safetensors", tiny / "target" / "model.safetensors", shallow=False)
+    assert json.loads((out / "target" / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    assert sorted(p.name for p in (out / "launch").iterdir()) == ["mpirun.sh"]  # CPU TP2: no Slurm, no container
+    drafter = DrafterConfig.load(tiny / "drafter")
     manifest = json.loads((out / "manifest.json").read_text())
     taps = manifest["dflash"]["hidden_state_taps"]
     assert taps["target_layer_ids"] == list(drafter.target_layer_ids) and taps["backend"] == "torch"
-    assert manifest["config"]["parallel"]["tp"] == 2 and manifest["config"]["target"]["quantization"] == "fp8"
+    assert manifest["config"]["parallel"]["tp"] == 2 and manifest["config"]["target"]["quantization"] == "mxfp4"
     assert len(manifest["sources"]["target"]["sha256"]) == 64
     assert [s["name"] for s in manifest["stages"]][:4] == ["validate", "target", "drafter", "shard"]
+    groups = {g["group"]: g for g in manifest["tensor_groups"]["target"]["groups"]}
+    assert groups["experts"]["source"] == "MXFP4 + BF16" and groups["experts"]["output"] == "MXFP4 + BF16 (copied)"
+    assert groups["attention"]["output"] == "BF16 (copied)"
+    for g in groups.values():  # the estimate is exact per group when the source is on disk
+        assert g["est_bytes"] == g["written_bytes"], g
     opts = yaml.safe_load((out / "llm_api_options.yaml").read_text())
     assert opts["speculative_config"] == {
         "decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": str(out / "drafter"),
         "mask_token_id": 4, "target_layer_ids": list(drafter.target_layer_ids)}
     parse_llm_api_config(opts)  # the serve command accepts what the builder writes
-    legacy = json.loads((out / "shards/target/config.json").read_text())
-    assert legacy["mapping"]["tp_size"] == 2 and legacy["mapping"]["moe_ep_size"] == 2
-    assert legacy["quantization"]["quant_algo"] == "FP8"
+    mapping = json.loads((out / "shards/target/config.json").read_text())["mapping"]
+    assert mapping["tp_size"] == 2 and mapping["moe_ep_size"] == 2
+
+
+def test_shards_split_the_mxfp4_experts_without_changing_a_byte(built):
+    """The TP2 x EP2 shards hold the source's MXFP4 blocks and scales, split by expert: merged back
+    they equal the release tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from dflash_trt.checkpoint.mapping import Dims, merge_shards
+    from dflash_trt.checkpoint.sharding import read_mapping
+    from dflash_trt.models.target import load_hf_config
+
+    out, _, tiny = built
+    source = load_file(tiny / "target" / "model.safetensors")
+    mapping = read_mapping(out / "shards" / "target")
+    dims = Dims.of(load_hf_config(tiny / "target"))
+    ranks = [load_file(out / "shards" / "target" / f"rank{r}.safetensors") for r in range(2)]
+    assert ranks[0]["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape[0] == 4  # 8 experts / EP 2
+    for name, tensor in source.items():
+        merged = merge_shards(name, [r[name] for r in ranks], tuple(tensor.shape), dims, mapping)
+        assert merged.dtype == tensor.dtype and torch.equal(merged, tensor), name
+
+
+def test_estimates_match_what_the_build_wrote(built, tmp_path):
+    """Dry-run estimates against the real output: exact tensor bytes and within 5% in all when the
+    sources are on disk (issue 17); within 15% from the build config alone, the way the
+    gpt-oss-120b plan is made without its weights (issue 15)."""
+    from dflash_trt.builder.builder import prepare
+    from dflash_trt.builder.config import load_build_config
+    from dflash_trt.builder.plan import make_plan
+    from dflash_trt.builder.sizes import dir_bytes
+    from dflash_trt.builder.sources import Sources
+
+    out, _, tiny = built
+    real = {"target": dir_bytes(out / "target"), "drafter": dir_bytes(out / "drafter"),
+            "shard": dir_bytes(out / "shards" / "target")}
+    plan = prepare(TINY, BuildOptions(output=tmp_path / "o", dry_run=True, tiny_gpt_oss=tiny))
+    for stage, size in real.items():
+        assert abs(plan.stage(stage).est_bytes - size) <= 0.05 * size, (stage, plan.stage(stage).est_bytes, size)
+    absent = Sources(tiny / "target", tiny / "drafter", False, False, None, None)
+    blind = make_plan(load_build_config(TINY), tmp_path / "o", absent)
+    for stage in ("target", "drafter", "shard"):
+        assert abs(blind.stage(stage).est_bytes - real[stage]) <= 0.15 * real[stage], stage
 
 
 def test_built_directory_generates_losslessly(built):
-    """The FP8 target and the drafter from the output load in our runtime; DFlash greedy output
-    equals the quantized target's own autoregressive greedy output (float32: QuantLinear takes no
-    float64; the tiny model's std-0.1 weights keep logits far from ties)."""
-    from dflash_trt.checkpoint.modelopt_hf import load_target
-    from dflash_trt.checkpoint.trtllm_legacy import load_merged
+    """The copied MXFP4 target (dequantized on load) and the drafter from the output load in our
+    runtime; DFlash greedy output equals the target's own autoregressive greedy output, and
+    `dflash-trt serve` on the built directory answers with it."""
     from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.target import load_native_target
 
-    out, _ = built
-    target = load_target(out / "target", torch.float32)
+    out, _, _ = built
+    target = load_native_target(out / "target", torch.float32)
     drafter = DFlashDrafter.from_pretrained(out / "drafter", torch.float32)
     prompt = [3, 120, 77, 9, 200, 41]
-    assert _greedy(target, drafter, prompt, spec=True) == _greedy(target, drafter, prompt, spec=False)
-    merged = load_merged(out / "shards" / "target", torch.float32)  # TP2 x EP2 shards merged back
-    assert len(_greedy(merged, drafter, prompt, spec=True)) == 12
-    # `dflash-trt serve` on the built directory answers with the quantized target's greedy tokens
-    # (one rank: the torch backend serves quantized checkpoints unsharded, so the TP keys go)
+    reference = _greedy(target, drafter, prompt, spec=False)
+    assert _greedy(target, drafter, prompt, spec=True) == reference
+    # one rank: the TP keys go (the TP2 launch is launch/mpirun.sh; tests/runtime/test_tp.py runs TP)
     opts = yaml.safe_load((out / "llm_api_options.yaml").read_text())
     for key in ("tensor_parallel_size", "moe_expert_parallel_size", "moe_tensor_parallel_size"):
         opts.pop(key, None)
@@ -134,10 +177,72 @@ def test_built_directory_generates_losslessly(built):
         body = {"model": str(out / "target"), "prompt": prompt, "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
-        assert reply["choices"][0]["token_ids"] == _greedy(target, drafter, prompt, spec=False), reply
+        assert reply["choices"][0]["token_ids"] == reference, reply
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_editing_a_build_leaves_its_sources_and_its_cache_alone(built, tmp_path):
+    """Build outputs are copies (or reflinks) of their sources, never hard links: appending to the
+    built target and drafter changes neither source file. A re-run notices that the cached stage
+    behind the edited file changed and rebuilds it."""
+    out, _, tiny = built
+    edits = {out / "target" / "tokenizer_config.json": tiny / "target" / "tokenizer_config.json",
+             out / "drafter" / "config.json": tiny / "drafter" / "config.json"}
+    before = {src: src.read_bytes() for src in edits.values()}
+    for built_file, src in edits.items():
+        assert built_file.stat().st_ino != src.stat().st_ino
+        with open(built_file, "a") as fh:
+            fh.write("\n")
+    assert {src: src.read_bytes() for src in edits.values()} == before
+    report = build(TINY, BuildOptions(output=out, progress=False, force=True, tiny_gpt_oss=tiny))
+    status = {r.name: r.status for r in report.results}
+    assert status["target"] == "run" and status["drafter"] == "run" and status["shard"] == "skipped"
+    for built_file, src in edits.items():
+        assert built_file.read_bytes() == src.read_bytes()
+
+
+def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_path):
+    """The gpt-oss-120b B300 config with the stand-in's sizes, built for real (a TensorRT-LLM build
+    needs no GPU to write its files): target/ is the MXFP4 release byte for byte with no ModelOpt
+    config, an FP32 drafter is written BF16, launch/ holds the TRT-LLM launchers and the DGX B300
+    single-node Slurm jobs, and the plan made from the config alone is within 15% of every stage."""
+    from safetensors import safe_open
+
+    from dflash_trt.builder.config import load_build_config
+    from dflash_trt.builder.plan import make_plan
+    from dflash_trt.builder.sizes import dir_bytes
+    from dflash_trt.builder.sources import Sources
+    from dflash_trt.models.target import load_hf_config
+    from dflash_trt.models.tiny import build_tiny_drafter
+
+    _, _, tiny = built
+    drafter = build_tiny_drafter(load_hf_config(tiny / "target"), num_layers=1, block_size=10, mask_token_id=4)
+    drafter_dir = drafter.save_pretrained(tmp_path / "drafter-fp32")
+    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml").read_text())
+    raw["target"] = yaml.safe_load(TINY.read_text())["target"]
+    raw["drafter"] = {"path": str(drafter_dir), "num_hidden_layers": 1, "quantization": "none"}
+    raw["parallel"] = {"tp": 2, "ep": 2, "pp": 1, "ranks": 2, "gpus_per_node": 8, "nodes": 1}
+    raw.update(max_seq_len=1024, max_draft_len=9, max_num_tokens=1024)
+    cfg = tmp_path / "gpt-oss-tiny-b300.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    build(cfg, BuildOptions(output=out, progress=False, tiny_gpt_oss=tiny))
+    assert filecmp.cmp(out / "target" / "model.safetensors", tiny / "target" / "model.safetensors", shallow=False)
+    assert not (out / "target" / "hf_quant_config.json").exists()
+    with safe_open(str(out / "drafter" / "model.safetensors"), "pt") as fh:
+        assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"BF16"}
+    assert json.loads((out / "drafter" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in (out / "launch").iterdir()) == [
+        "common.sh", "dgx-b300_tp8_single_node.sh", "dgx-b300_triton.sh", "env.sh", "mpirun.sh", "serve.sh", "srun.sh"]
+    groups = json.loads((out / "manifest.json").read_text())["tensor_groups"]
+    assert {g["group"]: g["output"] for g in groups["drafter"]["groups"]}["fc"] == "BF16 (cast from FP32)"
+    absent = Sources(tiny / "target", drafter_dir, False, False, None, None)
+    blind = make_plan(load_build_config(cfg), out, absent)
+    for stage in ("target", "drafter"):
+        real = dir_bytes(out / stage)
+        assert abs(blind.stage(stage).est_bytes - real) <= 0.15 * real, (stage, blind.stage(stage).est_bytes, real)
 
 
 def _wait_healthy(server: subprocess.Popen, port: int, timeout_s: float = 120) -> None:
@@ -180,7 +285,14 @@ def test_cpu_default_build_is_served(tmp_path):
     out = tmp_path / "cpu-out"
     report = build(cfg, BuildOptions(output=out, progress=False, default_target=smol))
     assert {r.name: r.status for r in report.results}["target"] == "run"
-    assert (out / "target" / "model.safetensors").stat().st_ino == (smol / "model.safetensors").stat().st_ino
+    assert (out / "target" / "model.safetensors").stat().st_ino != (smol / "model.safetensors").stat().st_ino
+    assert sorted(p.name for p in (out / "launch").iterdir()) == ["serve.sh"]  # no Slurm, no TRT-LLM env.sh
+    plan = report.plan  # estimates from the sources' headers: within 5% of what was written
+    from dflash_trt.builder.sizes import dir_bytes
+
+    for stage in ("target", "drafter"):
+        real = dir_bytes(out / stage)
+        assert abs(plan.stage(stage).est_bytes - real) <= 0.05 * real, (stage, plan.stage(stage).est_bytes, real)
     port = _free_port()
     server = subprocess.Popen([*DFLASH, "serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml"),
                                "--port", str(port), "--log-level", "warning"],

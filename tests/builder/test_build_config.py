@@ -16,7 +16,7 @@ from dflash_trt.cli import main
 from dflash_trt.errors import CheckpointError, ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "build_configs"
-GPT_OSS = CONFIGS / "gpt-oss-120b_dgx-b300_tp8_nvfp4.yaml"
+GPT_OSS = CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml"
 
 
 def gpt_oss_raw() -> dict:
@@ -44,7 +44,13 @@ def edited(**changes) -> dict:
      "kv heads"),
     ({"target__num_experts": 100}, "does not divide the target's 100 experts"),
     ({"parallel": {"tp": 8, "ep": 3, "ranks": 8, "gpus_per_node": 8}}, "must divide tp=8"),
-    ({"gpu_arch": "sm_90"}, "Hopper has FP8 but no FP4"),
+    ({"gpu_arch": "sm_90", "target__quantization": "nvfp4"}, "Hopper has FP8 but no FP4"),
+    ({"gpu_arch": "sm_89", "kv_cache_dtype": "auto"}, "mxfp4 is not supported on sm_89"),
+    ({"target__quantization": "nvfp4"}, "gpt-oss loader takes BF16 or MXFP4 experts"),
+    ({"target__quantization": "fp8"}, "target.quantization fp8 for gpt-oss"),
+    ({"target__architecture": "llama"}, "a llama target has none"),
+    ({"drafter__quantization": "fp8"}, "it must be BF16"),
+    ({"target__dtype": "int8"}, "target.dtype"),
     ({"gpu_arch": "sm_80", "target__quantization": "none"}, "kv_cache_dtype fp8 needs FP8"),
     ({"backend": "trtllm-engine", "moe_backend": None, "cuda_graph_batch_sizes": []}, "never supported"),
     ({"gpu_arch": "cpu"}, "runs on NVIDIA GPUs only"),
@@ -60,7 +66,7 @@ def test_static_rules(changes, message):
 
 def test_shipped_config_is_valid():
     cfg = parse_build_config(gpt_oss_raw())
-    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.target.quantization, cfg.kv_cache_dtype) == (8, 8, "nvfp4", "fp8")
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.target.quantization, cfg.kv_cache_dtype) == (8, 8, "mxfp4", "fp8")
 
 
 def _write_checkpoint_configs(root: Path, **drafter_overrides) -> tuple[Path, dict]:
@@ -134,8 +140,13 @@ def test_dry_run_of_every_build_config(config, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "stages:" in text and "dry run: nothing was written" in text
     assert not out.exists() and not (tmp_path / "out.build-cache").exists()
+    assert "GPUs" not in text if "cpu" in config else "GPUs" in text  # a CPU build runs processes, not GPUs
+    if "_tp2_" in config and "cpu" in config:  # torch TP: ranks only exist under mpirun
+        assert "$ mpirun -n 2 --oversubscribe dflash-trt serve" in text and "\n       $ dflash-trt serve" not in text
     if config.startswith("gpt-oss-120b"):
-        assert "quantize /models/gpt-oss-120b to NVFP4" in text
+        assert "copy the gpt-oss release /models/gpt-oss-120b unchanged" in text
+        assert re.search(r"experts +114\.70G +MXFP4 \+ BF16 +MXFP4 \+ BF16 \(copied\) +56\.8 GiB", text), text
+        assert re.search(r"attention +955\.51M +BF16 +BF16 \(copied\)", text)
         assert "trtllm-llmapi-launch trtllm-serve" in text and "--tp_size 8" in text and "--ep_size 8" in text
         assert "srun --mpi=pmix" in text
     if "engine" in config:
@@ -144,10 +155,17 @@ def test_dry_run_of_every_build_config(config, tmp_path, capsys):
 
 
 def test_gpt_oss_size_estimate(tmp_path):
+    """The 120b release layout: 36 layers x 128 experts in MXFP4 (1.694 GB per layer) + BF16 attention,
+    router, embedding and lm_head = 65.25 GB; the same model with BF16 experts would be 233.7 GB."""
     report = build(GPT_OSS, BuildOptions(output=tmp_path / "o", dry_run=True))
-    target = report.plan.stage("target").est_bytes
-    # attention NVFP4 (0.5625 B/param) + embeddings, lm_head and the 128 experts x 36 layers in bf16
-    assert 225e9 < target < 235e9
+    target = report.plan.stage("target")
+    assert 65.2e9 < target.est_bytes < 65.3e9
+    experts = {g.group: g for g in target.tensor_groups.groups}["experts"]
+    assert experts.output == "MXFP4 + BF16 (copied)" and 60.9e9 < experts.est_bytes < 61.0e9
+    path = tmp_path / "bf16.yaml"
+    path.write_text(yaml.safe_dump(edited(target__quantization="none")))
+    bf16 = build(path, BuildOptions(output=tmp_path / "o", dry_run=True)).plan.stage("target").est_bytes
+    assert 233.6e9 < bf16 < 233.8e9
 
 
 def test_engine_backend_says_what_is_missing(tmp_path):
@@ -158,3 +176,16 @@ def test_engine_backend_says_what_is_missing(tmp_path):
     with pytest.raises(BackendUnavailableError, match="import tensorrt_llm` failed") as info:
         engine_preflight(cfg)
     assert "no CUDA device" in str(info.value) and "trtllm-build` is not on PATH" in str(info.value)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"drafter__quantization": "fp8"}, "its DFlash drafter multiplies the raw q/k/v weights with no scale"),
+    ({"target__quantization": "nvfp4"}, "gpt-oss loader takes BF16 or MXFP4 experts"),
+])
+def test_cli_refuses_what_tensorrt_llm_cannot_load(tmp_path, capsys, changes, reason):
+    """`dflash-trt build` stops before any work with exit 2 and one line saying why."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(edited(**changes)))
+    assert main(["build", str(path), "--output", str(tmp_path / "out"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert reason in err and len(err.splitlines()) == 1

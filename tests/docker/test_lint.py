@@ -45,13 +45,14 @@ def test_shellcheck_generated_launch_scripts(tmp_path):
     from dflash_trt.builder.plan import make_plan
     from dflash_trt.builder.sources import Sources
 
-    cfg = load_build_config(ROOT / "build_configs" / "gpt-oss-120b_dgx-b300_tp8_nvfp4.yaml")
+    cfg = load_build_config(ROOT / "build_configs" / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml")
     src = Sources(Path("/models/t"), Path("/models/d"), False, False, None, None)
     write_launch(make_plan(cfg, tmp_path / "out", src), tmp_path)
     scripts = sorted((tmp_path / "launch").glob("*.sh"))
-    assert {"serve.sh", "mpirun.sh", "dgx-b300_multi_node.sh"} <= {p.name for p in scripts}
-    proc = subprocess.run([_tool("shellcheck"), "-x", "-s", "bash", *[p.name for p in scripts],
-                           "env.sh"], cwd=tmp_path / "launch", capture_output=True, text=True)
+    assert {p.name for p in scripts} == {"env.sh", "serve.sh", "mpirun.sh", "srun.sh", "common.sh",
+                                         "dgx-b300_tp8_single_node.sh", "dgx-b300_triton.sh"}
+    proc = subprocess.run([_tool("shellcheck"), "-x", "-s", "bash", *[p.name for p in scripts]],
+                          cwd=tmp_path / "launch", capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
