@@ -129,7 +129,7 @@ class _Cache:
     def run(self, name: str, key: str, fn, options: BuildOptions) -> tuple[Path, StageResult]:
         final = self.done_dir(name, key)
         if (final / DONE).is_file():
-            if _stamps(final) == json.loads((final / STAMPS).read_text()):
+            if (final / STAMPS).is_file() and _stamps(final) == json.loads((final / STAMPS).read_text()):
                 facts = json.loads((final / DONE).read_text())
                 return final, StageResult(name, "skipped", 0.0, dir_bytes(final), key, facts)
             log.warning("stage %s: its cached files (%s) changed since it finished (edited through a build "

@@ -75,6 +75,12 @@ def link_stage(src: Path, dst: Path) -> None:
             os.link(path, target)
 
 
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
 def _tokenizer(directory: Path):
     from dflash_trt.runtime.factory import load_tokenizer
 
@@ -113,7 +119,8 @@ def run_target(plan: BuildPlan, out: Path, progress: bool) -> dict:
     with tqdm(total=2, desc=f"target {fmt}", disable=not progress, leave=False) as bar:
         calibration = calibrate_target(model, prompts)
         bar.update()
-        write_target(model, out, ALGO[fmt], calibration=calibration, source_dir=src)
+        # the checkpoint dtype the build config declares (checked against the source's headers)
+        write_target(model, out, ALGO[fmt], calibration=calibration, source_dir=src, dtype=_dtype(cfg.target.dtype))
         bar.update()
     (out / CALIBRATION).write_text(json.dumps({"input_amax": calibration.input_amax, **calibration.describe()}))
     return {"format": "modelopt-hf", "quantization": ALGO[fmt], "calibration": calibration.describe()}
@@ -161,6 +168,7 @@ def run_drafter(plan: BuildPlan, out: Path, progress: bool) -> dict:
                 "written_by": f"cast from {'/'.join(sorted(dtypes))} to BF16"}
     if mode == "copy":
         return {"format": "dflash", "quantization": None, "written_by": copy_tree(src, out, progress, "drafter")}
+    from dflash_trt.checkpoint.layout import float_dtype_of
     from dflash_trt.checkpoint.modelopt_hf import write_drafter
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.builder.calibration import calibrate_drafter
@@ -171,7 +179,8 @@ def run_drafter(plan: BuildPlan, out: Path, progress: bool) -> dict:
     with tqdm(total=2, desc="drafter fp8", disable=not progress, leave=False) as bar:
         calibration = calibrate_drafter(target, drafter, prompts)
         bar.update()
-        write_drafter(drafter, out, "FP8", calibration=calibration, source_dir=src)
+        write_drafter(drafter, out, "FP8", calibration=calibration, source_dir=src,
+                      dtype=_dtype(float_dtype_of(list(plan.sources.drafter_tensors))))
         bar.update()
     return {"format": "modelopt-hf", "quantization": "FP8", "calibration": calibration.describe()}
 

@@ -4,7 +4,10 @@ ModelOpt unified HF format (TensorRT-LLM PyTorch backend) or the TensorRT-LLM 1.
 
 Activation scales are calibrated on --calib-prompts offline prompts (standard-library
 instructions for targets with a tokenizer, seeded ids otherwise; never the benchmark sets).
-Writes OUTPUT/target and/or OUTPUT/drafter; each carries provenance.json.
+Writes OUTPUT/target and/or OUTPUT/drafter; each carries provenance.json. FP8 / NVFP4 drafters and
+gpt-oss targets run on dflash_trt's torch runtime only: TensorRT-LLM's DFlash drafter needs BF16
+weights and its gpt-oss loader takes BF16 or MXFP4 experts with BF16 attention (`dflash-trt build`
+ships those as released).
 """
 from __future__ import annotations
 

@@ -245,6 +245,32 @@ def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_pa
         assert abs(blind.stage(stage).est_bytes - real) <= 0.15 * real, (stage, blind.stage(stage).est_bytes, real)
 
 
+def test_quantized_dense_build_matches_its_estimates(tmp_path):
+    """A torch-backend FP8 Qwen3 target with an FP8 drafter and TP2 legacy shards, built for real:
+    every stage's dry-run estimate is within 5% of what it wrote, and the FP8 drafter is a torch
+    feature (its ModelOpt directory loads in our runtime)."""
+    from dflash_trt.builder.sizes import dir_bytes
+    from dflash_trt.checkpoint.modelopt_hf import load_drafter
+    from dflash_trt.models.tiny import save_tiny_checkpoint
+
+    target, drafter = save_tiny_checkpoint(tmp_path / "m", "qwen3")
+    raw = {"name": "tiny-qwen3-fp8", "backend": "torch", "gpu_arch": "cpu", "max_batch_size": 2,
+           "max_seq_len": 128, "max_draft_len": 7, "calibration_samples": 2,
+           "drafter": {"path": str(drafter), "quantization": "fp8"},
+           "parallel": {"tp": 2, "ranks": 2, "gpus_per_node": 2},
+           "target": {"path": str(target), "architecture": "qwen3", "num_hidden_layers": 6, "hidden_size": 64,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+                      "vocab_size": 261, "dtype": "float32", "quantization": "fp8"}}
+    cfg = tmp_path / "qwen3-fp8.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    plan = build(cfg, BuildOptions(output=out, progress=False)).plan
+    for stage, folder in (("target", "target"), ("drafter", "drafter"), ("shard", "shards/target")):
+        real = dir_bytes(out / folder)
+        assert abs(plan.stage(stage).est_bytes - real) <= 0.05 * real, (stage, plan.stage(stage).est_bytes, real)
+    assert load_drafter(out / "drafter").layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
+
+
 def _wait_healthy(server: subprocess.Popen, port: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -189,3 +189,16 @@ def test_cli_refuses_what_tensorrt_llm_cannot_load(tmp_path, capsys, changes, re
     assert main(["build", str(path), "--output", str(tmp_path / "out"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert reason in err and len(err.splitlines()) == 1
+
+
+def test_calibration_counts_are_consistent_across_build_configs():
+    """Every shipped config that quantizes calibrates on the same number of prompts (the default);
+    none that quantizes nothing sets a count it would not use."""
+    from dflash_trt.builder.config import BuildConfig
+
+    default = BuildConfig.model_fields["calibration_samples"].default
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        raw, cfg = yaml.safe_load(path.read_text()), load_build_config(path)
+        quantizes = cfg.target.quantization in ("fp8", "nvfp4") or cfg.drafter.quantization != "none"
+        assert cfg.calibration_samples == default, path.name
+        assert quantizes or "calibration_samples" not in raw, path.name
