@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_trt.builder import deploy, stages, trtllm
+from dflash_trt.builder import deploy, stages
 from dflash_trt.builder.config import BuildConfig, load_build_config
 from dflash_trt.builder.manifest import build_manifest, tensor_group_report, write_manifest
 from dflash_trt.builder.plan import BuildPlan, make_plan
@@ -90,8 +90,6 @@ def stage_keys(plan: BuildPlan, fps: dict) -> dict[str, str]:
                                    "calib": cfg.calibration_samples, "src": fps["drafter"]["sha256"],
                                    "target_src": fps["target"]["sha256"] if cfg.drafter.quantization != "none" else ""})
     keys["shard"] = json_digest({"target": keys["target"], "parallel": cfg.parallel.model_dump(mode="json")})
-    keys["engine"] = json_digest({"shard": keys["shard"], "drafter": keys["drafter"],
-                                  "config": {k: v for k, v in cfg.model_dump(mode="json").items() if k != "serve"}})
     return keys
 
 
@@ -167,8 +165,6 @@ def _run_cached_stages(plan: BuildPlan, cache: _Cache, keys: dict, options: Buil
     step("drafter", lambda out: stages.run_drafter(plan, out, prog))
     if plan.has("shard"):
         step("shard", lambda out: stages.run_shard(plan, dirs["target"], out, prog))
-    if plan.has("engine"):
-        step("engine", lambda out: stages.run_engine(plan, dirs["shard"], out, prog))
     return dirs, results
 
 
@@ -218,8 +214,6 @@ def build(config_path: Path, options: BuildOptions) -> BuildReport:
     out = plan.out
     if out.exists() and not options.force:
         raise ConfigError(f"output directory {out} exists: pass --force to rebuild it (finished stages are reused)")
-    if plan.config.backend == "trtllm-engine":
-        trtllm.engine_preflight(plan.config)  # before any work: say exactly what is missing
     results = [StageResult("validate", "run", time.perf_counter() - start, 0)]
     out.parent.mkdir(parents=True, exist_ok=True)
     with _Cache(out) as cache:

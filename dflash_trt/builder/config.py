@@ -47,7 +47,14 @@ GPU_ARCHS: dict[str, tuple[str, frozenset[str]]] = {
     "cpu": ("CPU (torch backend, FP8/NVFP4 emulated)", frozenset({"none", "fp8", "nvfp4", "mxfp4"})),
 }
 GpuArch = Literal["sm_80", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "cpu"]
-Backend = Literal["trtllm-pytorch", "trtllm-engine", "torch"]
+Backend = Literal["trtllm-pytorch", "torch"]
+# TensorRT-LLM runs DFlash only on its PyTorch backend: DFlashDecodingConfig.supports_backend(b) is
+# b == "pytorch" (tensorrt_llm/llmapi/llm_args.py @0004396720054fd8e205cbf616f21f0b57c6b412), and
+# trtllm-build left upstream after 1.3.0rc20 (docs/source/legacy/tensorrt-backend-removal.md
+# @335107a7646f9682c5e24103b11fc2b3e2c8362f). A config asking for the old engine path gets this line.
+ENGINE_BACKEND_REMOVED = ("backend trtllm-engine is not supported: TensorRT-LLM runs DFlash only on its PyTorch "
+                          "backend (there is no DFlash on the trtllm-build engine path, which upstream removed after "
+                          "1.3.0rc20): use backend: trtllm-pytorch")
 TargetQuant = Literal["none", "fp8", "nvfp4", "mxfp4"]
 CheckpointDtype = Literal["bfloat16", "float16", "float32"]
 DrafterQuant = Literal["none", "fp8"]
@@ -125,6 +132,13 @@ class BuildConfig(_Strict):
                                                  "nothing is quantized")
     serve: ServeSection = ServeSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_backend(cls, raw: object) -> object:
+        if isinstance(raw, dict) and "backend" in raw and raw["backend"] == "trtllm-engine":
+            raise ConfigError(ENGINE_BACKEND_REMOVED)
+        return raw
+
     @model_validator(mode="after")
     def _check(self) -> "BuildConfig":
         check_static(self)
@@ -197,11 +211,6 @@ def _backend_rules(cfg: BuildConfig) -> None:
     if cfg.backend.startswith("trtllm") and cfg.gpu_arch == "cpu":
         raise ConfigError(f"backend {cfg.backend} runs on NVIDIA GPUs only: set gpu_arch (e.g. sm_103 for B300) "
                           "or use backend torch for CPU")
-    if cfg.backend == "trtllm-engine" and cfg.target.architecture == "gpt_oss":
-        raise ConfigError("gpt-oss was never supported on TensorRT-LLM's engine path (trtllm-build): "
-                          "use backend trtllm-pytorch")
-    if cfg.backend == "trtllm-engine" and cfg.is_moe and cfg.moe_backend is not None:
-        raise ConfigError("moe_backend applies to the trtllm-pytorch backend only: remove it for trtllm-engine")
     if cfg.backend == "torch" and cfg.parallel.pp != 1:
         raise ConfigError("the torch backend supports tensor parallelism only: set pp to 1")
     sizes = cfg.cuda_graph_batch_sizes

@@ -14,7 +14,6 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_trt.builder import trtllm
 from dflash_trt.builder.config import config_to_dict
 from dflash_trt.builder.plan import BuildPlan
 from dflash_trt.builder.sources import json_digest
@@ -38,14 +37,6 @@ def hidden_state_exposure(plan: BuildPlan) -> dict:
         how = ("TensorRT-LLM's DFlash mode (speculative_config.decoding_type DFlash) captures the outputs of "
                "target_layer_ids inside the target forward and feeds the drafter in-process; nothing is exported")
         return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how, "outputs": []}
-    if backend == "trtllm-engine":
-        how = (f"the custom TensorRT-LLM model class {trtllm.MODEL_CLASS_NAME} (trtllm-build --model_cls_file "
-               f"engine/{trtllm.MODEL_CLASS_FILE} --model_cls_name {trtllm.MODEL_CLASS_NAME}) marks each tapped "
-               "decoder layer's output as an engine output; read per request with OutputConfig("
-               "additional_model_outputs=[AdditionalModelOutput(name, gather_context=True)]); drafts go back "
-               "through ExternalDraftTokensConfig (--speculative_decoding_mode draft_tokens_external)")
-        return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how,
-                "outputs": [f"dflash_hidden_{t}" for t in layer_ids]}
     how = ("dflash_trt's torch target adapter returns the concatenated outputs of the tapped decoder layers "
            "(HF hidden_states[id + 1]) with every target forward")
     return {"backend": backend, "target_layer_ids": layer_ids, "mechanism": how, "outputs": []}

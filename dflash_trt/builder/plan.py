@@ -6,10 +6,9 @@ Stages, in order (cached ones are keyed by a hash of their inputs, see builder.p
   target   quantize (fp8 / nvfp4, ModelOpt HF format) or copy the target checkpoint (none, and the
            gpt-oss MXFP4 release: mxfp4) -> target/
   drafter  quantize (fp8, torch backend), write in BF16 (TensorRT-LLM) or copy the drafter -> drafter/
-  shard    TP/EP-sharded legacy checkpoint (config.json + rank{N}.safetensors) -> shards/target/
-           (torch backend with tp > 1, and the trtllm-engine path; TensorRT-LLM's PyTorch backend
-           shards the HF checkpoint itself at load time)
-  engine   trtllm-build on the legacy checkpoint (trtllm-engine only) -> engine/
+  shard    TP/EP-sharded checkpoint (config.json + rank{N}.safetensors) -> shards/target/
+           (torch backend with tp > 1 only; TensorRT-LLM's PyTorch backend shards the HF
+           checkpoint itself at load time)
   triton   Triton model repository -> triton/ (assembly time: it embeds the final paths)
   deploy   llm_api_options.yaml + launch/ (assembly time)
   manifest manifest.json (last)
@@ -25,7 +24,7 @@ from dflash_trt.builder.sizes import SizeEstimate
 from dflash_trt.builder.sources import Sources, human_bytes
 from dflash_trt.checkpoint.modelopt_hf import COPIED_FILES
 
-CACHED_STAGES = ("target", "drafter", "shard", "engine")
+CACHED_STAGES = ("target", "drafter", "shard")
 ASSEMBLY_STAGES = ("triton", "deploy", "manifest")
 MODELOPT_COPIED = ("config.json", *COPIED_FILES)  # what a quantized target stage copies besides the weights
 
@@ -64,7 +63,7 @@ class BuildPlan:
 
 
 def needs_shards(cfg: BuildConfig) -> bool:
-    return cfg.backend == "trtllm-engine" or (cfg.backend == "torch" and cfg.parallel.tp > 1)
+    return cfg.backend == "torch" and cfg.parallel.tp > 1
 
 
 def _target_stage(cfg: BuildConfig, src: Sources) -> tuple[StagePlan, list]:
@@ -120,13 +119,6 @@ def make_plan(cfg: BuildConfig, out: Path, src: Sources) -> BuildPlan:
         stages.append(StagePlan("shard", "shards/target",
                                 f"shard target/ into {kind}: TP {p.tp}{ep}, PP {p.pp} -> {p.ranks} x rank{{N}}.safetensors",
                                 est_bytes=sizes.shard_bytes(cfg, written) + copied))
-    if cfg.backend == "trtllm-engine":
-        cmd = trtllm.trtllm_build_argv(cfg, out / "shards" / "target", out / "engine",
-                                       out / "engine" / trtllm.MODEL_CLASS_FILE)
-        stages.append(StagePlan("engine", "engine",
-                                f"trtllm-build (TensorRT-LLM {trtllm.ENGINE_TRTLLM_SERIES}x) with the tapped layers' "
-                                f"hidden states marked as engine outputs ({trtllm.MODEL_CLASS_NAME})",
-                                commands=(trtllm.shell_line(cmd),), est_bytes=target.est_bytes))
     if cfg.serve.triton:
         stages.append(StagePlan("triton", "triton", f"Triton model repository (python backend, model "
                                 f"'{cfg.serve.triton_model_name}')", cached=False))

@@ -9,14 +9,12 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash_trt.builder import trtllm
 from dflash_trt.builder.plan import BuildPlan
-from dflash_trt.errors import BackendUnavailableError, CheckpointError
+from dflash_trt.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +185,10 @@ def run_drafter(plan: BuildPlan, out: Path, progress: bool) -> dict:
 
 def run_shard(plan: BuildPlan, target_dir: Path, out: Path, progress: bool) -> dict:
     """shards/target/: a pre-sharded target, config.json + rank{N}.safetensors with the `mapping`.
-    TensorRT-LLM's 1.2.x legacy checkpoint (fused qkv names, quantized from the float source with
-    the target stage's calibration) for the engine path and quantized targets; HF-named shards
-    (what the torch TP runtime loads; MXFP4 experts split by expert and MoE-TP rows, still MXFP4)
-    for an unquantized or MXFP4-release torch-backend target."""
+    For the torch backend's TP runtime: a quantized target in the TensorRT-LLM legacy checkpoint
+    layout (fused qkv names, quantized from the float source with the target stage's calibration),
+    HF-named shards for an unquantized or MXFP4-release target (MXFP4 experts split by expert and
+    MoE-TP rows, still MXFP4)."""
     cfg = plan.config
     p = cfg.parallel
     if p.pp != 1:
@@ -215,19 +213,3 @@ def run_shard(plan: BuildPlan, target_dir: Path, out: Path, progress: bool) -> d
             fmt = "trtllm-legacy-1.2"
         bar.update()
     return {"format": fmt, "tp": p.tp, "ep": ep, "files": sorted(x.name for x in out.glob("rank*.safetensors"))}
-
-
-def run_engine(plan: BuildPlan, shards_dir: Path, out: Path, progress: bool) -> dict:
-    """engine/: trtllm-build of the legacy checkpoint with the tapped hidden states as outputs."""
-    version = trtllm.engine_preflight(plan.config)
-    layer_ids = plan.sources.drafter_config.target_layer_ids
-    cls_file = out / trtllm.MODEL_CLASS_FILE
-    cls_file.write_text(trtllm.model_class_source(plan.config, layer_ids))
-    argv = trtllm.trtllm_build_argv(plan.config, shards_dir, out, cls_file)
-    log.info("running %s", trtllm.shell_line(argv))
-    proc = subprocess.run(argv, check=False)
-    if proc.returncode != 0:
-        raise BackendUnavailableError(f"trtllm-build failed with exit code {proc.returncode}: "
-                                      f"{trtllm.shell_line(argv)}")
-    return {"tensorrt_llm": version, "command": trtllm.shell_line(argv),
-            "hidden_state_outputs": [f"dflash_hidden_{t}" for t in layer_ids]}

@@ -52,7 +52,6 @@ def edited(**changes) -> dict:
     ({"drafter__quantization": "fp8"}, "it must be BF16"),
     ({"target__dtype": "int8"}, "target.dtype"),
     ({"gpu_arch": "sm_80", "target__quantization": "none"}, "kv_cache_dtype fp8 needs FP8"),
-    ({"backend": "trtllm-engine", "moe_backend": None, "cuda_graph_batch_sizes": []}, "never supported"),
     ({"gpu_arch": "cpu"}, "runs on NVIDIA GPUs only"),
     ({"drafter__quantization": "nvfp4"}, "drafter.quantization"),
     ({"cuda_graph_batch_sizes": [1, 128]}, "cuda_graph_batch_sizes"),
@@ -149,9 +148,7 @@ def test_dry_run_of_every_build_config(config, tmp_path, capsys):
         assert re.search(r"attention +955\.51M +BF16 +BF16 \(copied\)", text)
         assert "trtllm-llmapi-launch trtllm-serve" in text and "--tp_size 8" in text and "--ep_size 8" in text
         assert "srun --mpi=pmix" in text
-    if "engine" in config:
-        assert "trtllm-build" in text and "--speculative_decoding_mode draft_tokens_external" in text
-        assert "--model_cls_name DFlashTapTarget" in text
+    assert "trtllm-build" not in text and "engine/" not in text
 
 
 def test_gpt_oss_size_estimate(tmp_path):
@@ -168,14 +165,18 @@ def test_gpt_oss_size_estimate(tmp_path):
     assert 233.6e9 < bf16 < 233.8e9
 
 
-def test_engine_backend_says_what_is_missing(tmp_path):
-    from dflash_trt.builder.trtllm import engine_preflight
-    from dflash_trt.errors import BackendUnavailableError
-
-    cfg = load_build_config(CONFIGS / "llama-3.1-8b_h200_fp8_engine.yaml")
-    with pytest.raises(BackendUnavailableError, match="import tensorrt_llm` failed") as info:
-        engine_preflight(cfg)
-    assert "no CUDA device" in str(info.value) and "trtllm-build` is not on PATH" in str(info.value)
+def test_the_engine_backend_is_refused_in_one_line(tmp_path, capsys):
+    """TensorRT-LLM has no DFlash on its TensorRT-engine path: a config asking for it gets one line
+    saying why and what to use, and the CLI exits 2."""
+    raw = edited(backend="trtllm-engine")
+    with pytest.raises(ConfigError, match="no DFlash on the trtllm-build engine path") as info:
+        parse_build_config(raw)
+    assert "use backend: trtllm-pytorch" in str(info.value) and "\n" not in str(info.value)
+    path = tmp_path / "engine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["build", str(path), "--output", str(tmp_path / "out"), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "use backend: trtllm-pytorch" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("changes, reason", [
