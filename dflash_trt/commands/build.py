@@ -1,6 +1,6 @@
 """`dflash-trt build CONFIG.yaml --output DIR [--dry-run] [--force]`: one build config in, one
 self-contained deployment directory out (target/, drafter/, llm_api_options.yaml, triton/, launch/,
-manifest.json; shards/ and engine/ where the backend needs them).
+manifest.json; shards/ for the torch backend with tp > 1).
 
 The config is validated before any work. The directory is written next to DIR and renamed into
 place at the end; finished stages are cached in DIR.build-cache/ and reused by a re-run with the
