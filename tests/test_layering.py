@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS: dict[str, int] = {
     "dflash_trt": 0,  # the package root: __version__ and the error types
     "dflash_trt.errors": 0, "dflash_trt.config": 0, "dflash_trt.engine": 0, "dflash_trt.fileio": 0,
-    "dflash_trt.prompts": 0,
+    "dflash_trt.prompts": 0, "dflash_trt.trtllm_release": 0,
     "dflash_trt.quant": 1, "plugins.kernels": 1, "plugins.trt": 1,
     "dflash_trt.models": 2, "dflash_trt.checkpoint": 2,
     "dflash_trt.speculative": 3,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflash_trt.builder.config import BuildConfig
 from dflash_trt.config import DrafterConfig
-from dflash_trt.runtime.trtllm import speculative_config  # THE builder of the mapping (adapter, Triton use it too)
+from dflash_trt.runtime.trtllm import dflash_attention_backend, speculative_config  # THE builder of the mapping
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,11 @@ CAPABILITY = {"sm_80": (8, 0), "sm_89": (8, 9), "sm_90": (9, 0), "sm_100": (10, 
 
 
 def llm_api_options(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig) -> dict:
-    """The YAML for `trtllm-serve --config` (and `dflash-trt serve --config` on the torch backend)."""
+    """The YAML for `trtllm-serve --config` (and `dflash-trt serve --config` on the torch backend).
+    Every key is a field of the pinned TensorRT-LLM release (dflash_trt/trtllm_release.py; the
+    tests walk this output against it); max_seq_len is always written (TensorRT-LLM sizes the
+    drafter's context arena by it); the drafter's attention backend follows the config's GPU
+    (TRTLLM on sm_100 / sm_103, VANILLA elsewhere: runtime.trtllm.dflash_attention_backend)."""
     p = cfg.parallel
     opts: dict = {
         "tensor_parallel_size": p.tp,
@@ -42,7 +46,8 @@ def llm_api_options(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig)
         opts["cuda_graph_config"] = {"batch_sizes": sorted(cfg.cuda_graph_batch_sizes), "enable_padding": True}
     if cfg.moe_backend is not None:
         opts["moe_config"] = {"backend": cfg.moe_backend}
-    opts["speculative_config"] = speculative_config(drafter_dir, drafter, cfg.max_draft_len)
+    opts["speculative_config"] = speculative_config(
+        drafter_dir, drafter, cfg.max_draft_len, attention_backend=dflash_attention_backend(CAPABILITY[cfg.gpu_arch]))
     return opts
 
 

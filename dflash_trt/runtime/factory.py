@@ -50,10 +50,10 @@ class LoadConfig:
 @dataclass(frozen=True)
 class TrtllmOptions:
     """What only the trtllm backend takes: extra `tensorrt_llm.LLM` arguments (tensor_parallel_size,
-    kv_cache_config, moe_expert_parallel_size, ...) and the DFlash drafter's attention backend."""
+    kv_cache_config, moe_expert_parallel_size, ...; a partial `speculative_config` adds
+    DFlashDecodingConfig keys such as attention_backend to the adapter's own mapping)."""
 
     llm_args: dict[str, Any] = field(default_factory=dict)
-    attention_backend: str | None = None
 
 
 def load_tokenizer(directory: Path):

@@ -15,7 +15,14 @@ Upstream files checked (NVIDIA/TensorRT-LLM):
   `outputs[0].finish_reason` in {stop, length, timeout, cancelled};
 - tensorrt_llm/llmapi/llm_utils.py (llm_args.py in newer releases):
   `update_llm_args_with_extra_dict(llm_args, extra)` turns a `speculative_config` mapping into
-  its DecodingBaseConfig (keyed by decoding_type), as trtllm-serve does with `--config`.
+  its DecodingBaseConfig (keyed by decoding_type), as trtllm-serve does with `--config`;
+- the DFlash rules the mapping obeys (pinned release: dflash_trt/trtllm_release.py):
+  `max_draft_len + 1 <= drafter block_size` (tensorrt_llm/_torch/speculative/dflash.py
+  @00679c66c3e38f6d2651ad0a5bef0f94d862e36c, DFlashWorker raises otherwise);
+  `attention_backend` VANILLA by default, TRTLLM only on SM100/SM103 (`is_sm_100f`,
+  tensorrt_llm/_torch/speculative/dflash_attention.py @0352547de78ebe7ff7657f801631ca5ce04d888c),
+  so it is picked from the GPU (`dflash_attention_backend`), never as a blanket default;
+  the drafter's context arena is sized by `max_seq_len`, so it is always passed explicitly.
 Step statistics: TensorRT-LLM streams one response per iteration (stream_interval 1, its default),
 so a response of n new tokens after the first is one verification step with n - 1 accepted drafts.
 NOT EXECUTED in this project's CI: TensorRT-LLM cannot be installed there. The tests drive this
@@ -35,29 +42,51 @@ from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, S
                                check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, DFlashError, InputError
 from dflash_trt.runtime.factory import LoadConfig, TrtllmOptions, load_tokenizer
+from dflash_trt.trtllm_release import DECODING_TYPE, pinned
 
 log = logging.getLogger(__name__)
 
-DECODING_TYPE = "DFlash"
-ATTENTION_BACKENDS = ("VANILLA", "TRTLLM", "FA4")  # DFlashDecodingConfig.attention_backend
+TRTLLM_ATTENTION_SM = ((10, 0), (10, 3))  # DFlash attention_backend TRTLLM: Blackwell B200/GB200, B300/GB300
 TRTLLM_FINISH = ("stop", "length", "timeout", "cancelled")  # CompletionOutput.finish_reason; passed through
+
+
+def dflash_attention_backend(capability: tuple[int, int], requested: str | None = None) -> str:
+    """DFlashDecodingConfig.attention_backend for a GPU of compute `capability`: TRTLLM on SM100 /
+    SM103, VANILLA (upstream's default) elsewhere; a requested one is checked against the pinned
+    release's values and TRTLLM against the GPU."""
+    allowed = pinned().allowed("DFlashDecodingConfig.attention_backend")
+    if requested is None:
+        return "TRTLLM" if tuple(capability) in TRTLLM_ATTENTION_SM else "VANILLA"
+    if requested not in allowed:
+        raise ConfigError(f"speculative_config.attention_backend must be one of {', '.join(allowed)}, "
+                          f"got '{requested}'")
+    if requested == "TRTLLM" and tuple(capability) not in TRTLLM_ATTENTION_SM:
+        raise ConfigError(f"DFlash attention_backend TRTLLM needs a Blackwell SM100/SM103 GPU (B200/GB200, "
+                          f"B300/GB300); this one is SM{capability[0]}{capability[1]}: use VANILLA")
+    return requested
 
 
 def speculative_config(drafter_dir: Path, drafter: DrafterConfig, max_draft_len: int, *,
                        use_rejection_sampling: bool = False, attention_backend: str | None = None) -> dict:
     """THE `speculative_config` mapping TensorRT-LLM reads (LLM API, trtllm-serve --config YAML).
 
-    mask_token_id and target_layer_ids are the drafter's own (they are trained in); the optional
-    keys are written only when asked for (TensorRT-LLM's defaults apply otherwise)."""
-    if not 1 <= max_draft_len <= 63:
-        raise ConfigError(f"max_draft_len must be in [1, 63], got {max_draft_len}")
+    mask_token_id and target_layer_ids are the drafter's own (they are trained in);
+    use_rejection_sampling is written when asked for; attention_backend when the caller picked
+    one for its GPU (dflash_attention_backend). max_draft_len + 1 must fit the drafter's block."""
+    if max_draft_len < 1:
+        raise ConfigError(f"max_draft_len must be >= 1, got {max_draft_len}")
+    if max_draft_len + 1 > drafter.block_size:
+        raise ConfigError(f"max_draft_len {max_draft_len} does not fit the drafter at {drafter_dir}: it was trained "
+                          f"with block_size {drafter.block_size} and TensorRT-LLM needs max_draft_len + 1 <= "
+                          f"block_size: lower max_draft_len to at most {drafter.block_size - 1}")
     cfg = {"decoding_type": DECODING_TYPE, "max_draft_len": max_draft_len, "speculative_model": str(drafter_dir),
            "mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}
     if use_rejection_sampling:
         cfg["use_rejection_sampling"] = True
     if attention_backend is not None:
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got '{attention_backend}'")
+        allowed = pinned().allowed("DFlashDecodingConfig.attention_backend")
+        if attention_backend not in allowed:
+            raise ConfigError(f"attention_backend must be one of {', '.join(allowed)}, got '{attention_backend}'")
         cfg["attention_backend"] = attention_backend
     return cfg
 
@@ -69,6 +98,7 @@ class TrtllmApi:
     LLM: Callable[..., Any]
     SamplingParams: Callable[..., Any]
     update_llm_args: Callable[[dict, dict], dict]  # update_llm_args_with_extra_dict
+    device_capability: Callable[[], tuple[int, int]]  # of the GPU the LLM runs on (torch.cuda)
 
 
 def import_tensorrt_llm() -> TrtllmApi:
@@ -84,25 +114,35 @@ def import_tensorrt_llm() -> TrtllmApi:
 
     if not torch.cuda.is_available():
         raise BackendUnavailableError("the trtllm backend needs a CUDA GPU and none is visible: use --backend torch")
-    return TrtllmApi(trtllm.LLM, trtllm.SamplingParams, llm_utils.update_llm_args_with_extra_dict)
+    return TrtllmApi(trtllm.LLM, trtllm.SamplingParams, llm_utils.update_llm_args_with_extra_dict,
+                     lambda: tuple(torch.cuda.get_device_capability(0)))
 
 
 def llm_arguments(load: LoadConfig, config: EngineConfig, options: TrtllmOptions,
-                  draft: tuple[DrafterConfig, int] | None) -> tuple[dict, dict]:
+                  draft: tuple[DrafterConfig, int] | None, capability: tuple[int, int]) -> tuple[dict, dict]:
     """(base, extra) for `update_llm_args_with_extra_dict` -> `tensorrt_llm.LLM(**args)`. `draft` is
-    (drafter config, block size) when speculative. A key in options.llm_args that this adapter sets
-    from the engine config must agree with it (one place for every setting)."""
+    (drafter config, block size) when speculative; `capability` is the GPU's compute capability
+    (it picks the drafter's attention backend). A key in options.llm_args that this adapter sets
+    from the engine config must agree with it (one place for every setting); a partial
+    `speculative_config` there adds DFlashDecodingConfig keys (max_concurrency, attention_backend...)
+    to the adapter's own mapping. max_seq_len is always passed (it sizes the drafter's context arena)."""
     base = {"model": str(Path(load.target).absolute()), "backend": "pytorch",
             "max_batch_size": config.max_batch_size, "max_seq_len": config.max_seq_len}
-    extra = dict(options.llm_args)
+    extra = {k: v for k, v in options.llm_args.items() if k != "speculative_config"}
+    given = dict(options.llm_args["speculative_config"]) if "speculative_config" in options.llm_args else {}
     own = dict(base)
     if draft is not None:
         drafter, block = draft
-        own["speculative_config"] = speculative_config(
+        requested = given["attention_backend"] if "attention_backend" in given else None
+        spec = speculative_config(
             Path(load.drafter).absolute(), drafter, block - 1, use_rejection_sampling=config.acceptance == "rejection",
-            attention_backend=options.attention_backend)
-        extra.setdefault("speculative_config", own["speculative_config"])
-    elif "speculative_config" in extra:
+            attention_backend=dflash_attention_backend(capability, requested))
+        spec_clashes = [k for k in given if k in spec and given[k] != spec[k]]
+        if spec_clashes:
+            raise ConfigError(f"llm_args speculative_config {spec_clashes} disagree with the engine and drafter "
+                              f"({ {k: spec[k] for k in spec_clashes} }): set them in one place")
+        extra["speculative_config"] = spec | given
+    elif "speculative_config" in options.llm_args:
         raise ConfigError("llm_args sets speculative_config but the engine is autoregressive: give a drafter "
                           "and leave speculative_config to the adapter")
     clashes = [k for k in own if k in extra and extra[k] != own[k]]
@@ -167,7 +207,8 @@ class TrtllmEngine:
         if config.max_seq_len > info.max_position_embeddings:
             raise ConfigError(f"max_seq_len {config.max_seq_len} exceeds the target's context "
                               f"({info.max_position_embeddings} positions)")
-        base, extra = llm_arguments(load, config, options, (drafter, self.block_size) if self.speculative else None)
+        base, extra = llm_arguments(load, config, options, (drafter, self.block_size) if self.speculative else None,
+                                    api.device_capability())
         log.info("starting tensorrt_llm.LLM with %s + %s", base, extra)
         self.llm = api.LLM(**api.update_llm_args(base, extra))
         self.active: list[Sequence] = []
@@ -248,5 +289,5 @@ class TrtllmEngine:
         self.llm.shutdown()
 
 
-__all__ = ["ATTENTION_BACKENDS", "DECODING_TYPE", "TrtllmApi", "TrtllmEngine", "TrtllmModels",
-           "import_tensorrt_llm", "llm_arguments", "load_trtllm", "speculative_config"]
+__all__ = ["DECODING_TYPE", "TRTLLM_ATTENTION_SM", "TrtllmApi", "TrtllmEngine", "TrtllmModels",
+           "dflash_attention_backend", "import_tensorrt_llm", "llm_arguments", "load_trtllm", "speculative_config"]

@@ -1,20 +1,27 @@
-"""The `--config` YAML of `dflash-trt serve`: the keys `trtllm-serve --config` takes, strictly parsed.
+"""The `--config` YAML of `dflash-trt serve`: exactly the keys `trtllm-serve --config` accepts at the
+pinned TensorRT-LLM release (dflash_trt/trtllm_release.py, one data file), strictly parsed.
 
 TensorRT-LLM reads DFlash settings from `speculative_config` (its `DFlashDecodingConfig`,
-`decoding_type: DFlash`) and engine limits from top-level LLM-API keys (`TorchLlmArgs`). The same
-file works here, on the torch backend:
+`decoding_type: DFlash`) and engine limits from top-level `TorchLlmArgs` keys; its models forbid
+unknown keys (`extra="forbid"`), and so does this parser: a key that is not a field of the pinned
+release is a ConfigError naming it (a top-level `attention_backend`, say: upstream's field is
+`attn_backend`). The same file works here, on the torch backend:
 
-- keys we honour: `speculative_config.{decoding_type, max_draft_len, speculative_model,
-  mask_token_id, target_layer_ids, use_rejection_sampling}`, `max_batch_size`, `max_seq_len`,
-  `max_num_tokens` (the scheduler's per-step token budget), `max_input_len`, `dtype`,
-  `tensor_parallel_size` (must match `--tp`);
-- keys TensorRT-LLM knows that tune its CUDA runtime (`kv_cache_config`, `cuda_graph_config`,
-  `attention_backend`, ...) are parsed and listed in ONE warning: they have no effect here;
-- keys whose ignoring would change results (beam search, LoRA, pipeline parallelism, a quantized
-  KV cache, tree drafting) are ConfigErrors; any other key is a ConfigError naming it.
+- keys we honour: `speculative_config.{decoding_type, max_draft_len, speculative_model (alias
+  speculative_model_dir), mask_token_id, target_layer_ids, use_rejection_sampling}`,
+  `max_batch_size`, `max_seq_len`, `max_num_tokens` (the scheduler's per-step token budget),
+  `max_input_len`, `dtype`, `tensor_parallel_size` (must match `--tp`);
+- keys whose ignoring would change results (beam search, LoRA, pipeline or context parallelism,
+  a quantized KV cache, tree drafting, another decoding_type) are ConfigErrors;
+- every other key of the release (`attn_backend`, `kv_cache_config`, `cuda_graph_config`,
+  `speculative_config.attention_backend`, ...) tunes TensorRT-LLM's CUDA runtime: it is parsed,
+  listed in ONE warning (no effect on the torch backend) and handed to TensorRT-LLM as given with
+  `--backend trtllm` (`ServeOverrides.trtllm_args`, speculative keys under `speculative_config`).
 
 `max_draft_len` is the number of drafted tokens per step, so `block_size = max_draft_len + 1`
-(slot 0 of a DFlash block holds the last committed token).
+(slot 0 of a DFlash block holds the last committed token); as upstream, it must fit the drafter:
+`max_draft_len + 1 <= drafter block_size` (tensorrt_llm/_torch/speculative/dflash.py
+@00679c66c3e38f6d2651ad0a5bef0f94d862e36c raises otherwise).
 """
 from __future__ import annotations
 
@@ -23,57 +30,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from dflash_trt.config import DrafterConfig, load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
+from dflash_trt.trtllm_release import DECODING_TYPE, pinned
 
 log = logging.getLogger(__name__)
 
-_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+# extra="allow": unknown names never get here (TrtllmRelease.check refuses them first); the release's
+# other keys are kept as extras, reported and handed to TensorRT-LLM
+_KNOWN_EXTRAS = ConfigDict(extra="allow", strict=True, frozen=True)
 
 
 class DFlashSpeculativeConfig(BaseModel):
-    """`speculative_config` with the field names of TensorRT-LLM's DFlashDecodingConfig."""
+    """`speculative_config`: the DFlashDecodingConfig keys this server reads, typed."""
 
-    model_config = _STRICT
+    model_config = _KNOWN_EXTRAS
     decoding_type: str
-    max_draft_len: int | None = Field(None, ge=0, le=63)
+    max_draft_len: int | None = Field(None, ge=0)
     max_total_draft_tokens: int | None = Field(None, ge=0)
-    speculative_model: str | None = None  # the drafter directory (Hub ids cannot be fetched here)
+    speculative_model: str | None = Field(None, validation_alias=AliasChoices("speculative_model",
+                                                                              "speculative_model_dir"))
     mask_token_id: int | None = Field(None, ge=0)
     target_layer_ids: list[int] | None = None
     use_rejection_sampling: bool = False
-    # parsed, no effect on the torch backend (listed in a warning when set to a non-default value)
-    attention_backend: Literal["VANILLA", "TRTLLM", "FA4"] = "VANILLA"
-    draft_len_schedule: dict[int, int] | None = None
-    max_concurrency: int | None = Field(None, gt=0)
-    load_format: str | None = None
-    acceptance_rate_window_size: int | None = Field(None, ge=0)
-    acceptance_rate_threshold: float | None = Field(None, ge=0.0, le=1.0)
-    allow_advanced_sampling: bool = False
-    advanced_sampling_mode: str | None = None
-    enable_penalty: bool = False
-    context_recompute_tail: int | None = None
-    skip_ctx_buffer_budget_check: bool = False
-    moe_backend: str | None = None
-    spec_dec_variant: int | None = None
+    attention_backend: str | None = None  # TensorRT-LLM's drafter attention; value checked, no effect here
 
 
-_SPEC_NO_EFFECT = {
-    "attention_backend": "VANILLA", "draft_len_schedule": None, "max_concurrency": None, "load_format": None,
-    "acceptance_rate_window_size": None, "acceptance_rate_threshold": None, "advanced_sampling_mode": None,
-    "enable_penalty": False, "context_recompute_tail": None, "skip_ctx_buffer_budget_check": False,
-    "moe_backend": None, "spec_dec_variant": None,
-    # we always honour per-request sampling params (TensorRT-LLM needs this flag for that)
-    "allow_advanced_sampling": False,
-}
+SPEC_HONOURED = ("decoding_type", "max_draft_len", "max_total_draft_tokens", "speculative_model", "mask_token_id",
+                 "target_layer_ids", "use_rejection_sampling")
 
 
 class LlmApiConfig(BaseModel):
-    """The top level of a trtllm-serve `--config` file (the subset of TorchLlmArgs we know)."""
+    """The top level of a trtllm-serve `--config` file (TorchLlmArgs): the keys we read or check, typed."""
 
-    model_config = _STRICT
+    model_config = _KNOWN_EXTRAS
     speculative_config: DFlashSpeculativeConfig | None = None
     max_batch_size: int | None = Field(None, ge=1)
     max_seq_len: int | None = Field(None, ge=2)
@@ -83,45 +75,19 @@ class LlmApiConfig(BaseModel):
     tensor_parallel_size: int | None = Field(None, ge=1)
     # changes results unless left at the default: errors when set otherwise
     pipeline_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
     max_beam_width: int = Field(1, ge=1)
     enable_lora: bool = False
-    # parsed, no effect on the torch backend (listed in a warning when present)
-    backend: Literal["pytorch", "_autodeploy", "tensorrt"] | None = None
+    lora_config: dict[str, Any] | None = None
+    # no effect on the torch backend (reported); values checked where upstream's are a closed set
+    backend: str | None = None
     kv_cache_config: dict[str, Any] | None = None
-    cuda_graph_config: dict[str, Any] | None = None
-    attention_backend: str | None = None
-    enable_chunked_prefill: bool | None = None
-    disable_overlap_scheduler: bool | None = None
-    moe_config: dict[str, Any] | None = None
-    scheduler_config: dict[str, Any] | None = None
-    moe_expert_parallel_size: int | None = None
-    moe_tensor_parallel_size: int | None = None
-    enable_attention_dp: bool | None = None
-    gpus_per_node: int | None = None
-    allreduce_strategy: str | None = None
-    print_iter_log: bool | None = None
-    enable_iter_perf_stats: bool | None = None
-    return_perf_metrics: bool | None = None
-    stream_interval: int | None = None
-    num_postprocess_workers: int | None = None
-    trust_remote_code: bool | None = None
-    load_format: str | None = None
-    sampler_type: str | None = None
-    enable_autotuner: bool | None = None
-    torch_compile_config: dict[str, Any] | None = None
-    guided_decoding_backend: str | None = None
-    batch_wait_timeout_ms: float | None = None
 
 
-_TOP_NO_EFFECT = (
-    "backend", "kv_cache_config", "cuda_graph_config", "attention_backend", "enable_chunked_prefill",
-    "disable_overlap_scheduler", "moe_config", "scheduler_config", "moe_expert_parallel_size",
-    "moe_tensor_parallel_size", "enable_attention_dp", "gpus_per_node", "allreduce_strategy", "print_iter_log",
-    "enable_iter_perf_stats", "return_perf_metrics", "stream_interval", "num_postprocess_workers",
-    "trust_remote_code", "load_format", "sampler_type", "enable_autotuner", "torch_compile_config",
-    "guided_decoding_backend", "batch_wait_timeout_ms",
-)
-_QUANTIZED_KV = ("fp8", "nvfp4", "int8", "fp4")
+TOP_HONOURED = ("speculative_config", "max_batch_size", "max_seq_len", "max_num_tokens", "max_input_len", "dtype",
+                "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "max_beam_width",
+                "enable_lora", "lora_config")
+_QUANTIZED_KV = ("fp8", "fp8_ds_mla", "nvfp4", "int8", "fp4")
 
 
 @dataclass(frozen=True)
@@ -141,32 +107,61 @@ class ServeOverrides:
     mask_token_id: int | None = None
     target_layer_ids: tuple[int, ...] | None = None
     ignored: tuple[str, ...] = ()  # keys parsed that have no effect on the torch backend
-    trtllm_args: dict[str, Any] = field(default_factory=dict)  # top-level keys that tune TensorRT-LLM, as given
+    # what the file gives TensorRT-LLM beyond our settings, as given (speculative keys under speculative_config)
+    trtllm_args: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_llm_api_config(raw: Any, where: str = "--config") -> LlmApiConfig:
-    return validate_model(LlmApiConfig, {} if raw is None else raw, where,  # an empty file sets nothing
-                          unknown_key_hint="not a trtllm-serve --config key this server supports")
+    raw = {} if raw is None else raw  # an empty file sets nothing
+    release = pinned()
+    if isinstance(raw, dict):
+        release.check(raw, where)
+    cfg = validate_model(LlmApiConfig, raw, where)
+    spec = cfg.speculative_config
+    checks = [("backend", cfg.backend, "TorchLlmArgs.backend")]
+    if spec is not None:
+        checks.append(("speculative_config.attention_backend", spec.attention_backend,
+                       "DFlashDecodingConfig.attention_backend"))
+    for key, value, values in checks:
+        if value is not None and value not in release.allowed(values):
+            raise ConfigError(f"{where}: {key} is '{value}'; TensorRT-LLM {release.version} accepts "
+                              f"{', '.join(release.allowed(values))}")
+    return cfg
 
 
 def load_llm_api_config(path: Path) -> LlmApiConfig:
     return parse_llm_api_config(load_yaml_file(path, "--config file"), where=str(Path(path)))
 
 
+def _refuse_result_changes(cfg: LlmApiConfig) -> None:
+    """Keys whose ignoring would change what the server returns."""
+    if cfg.pipeline_parallel_size != 1 or cfg.context_parallel_size != 1:
+        raise ConfigError("pipeline_parallel_size / context_parallel_size > 1 are not supported: use "
+                          "tensor_parallel_size (with --tp)")
+    if cfg.max_beam_width != 1:
+        raise ConfigError("max_beam_width > 1 (beam search) is not supported with DFlash: remove it")
+    if cfg.enable_lora or cfg.lora_config is not None:
+        raise ConfigError("enable_lora / lora_config: LoRA is not supported by this server: remove them")
+    kv = cfg.kv_cache_config or {}
+    if "dtype" in kv and isinstance(kv["dtype"], str) and kv["dtype"].lower() in _QUANTIZED_KV:
+        raise ConfigError(f"kv_cache_config.dtype '{kv['dtype']}' (a quantized KV cache) is not supported on the "
+                          "torch backend and would change results: remove it")
+    spec = cfg.speculative_config
+    if spec is not None and spec.decoding_type != DECODING_TYPE:
+        raise ConfigError(f"speculative_config.decoding_type is '{spec.decoding_type}': this server runs "
+                          f"DFlash only (decoding_type: {DECODING_TYPE})")
+    if spec is not None and spec.max_total_draft_tokens is not None and spec.max_draft_len is not None \
+            and spec.max_total_draft_tokens != spec.max_draft_len:
+        raise ConfigError("speculative_config.max_total_draft_tokens != max_draft_len means tree drafting, "
+                          "which DFlash does not do: remove max_total_draft_tokens")
+
+
 def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:
     """Map a parsed file onto our settings; raise on keys whose ignoring would change results and
     log one warning listing the keys that have no effect here."""
-    if cfg.pipeline_parallel_size != 1:
-        raise ConfigError("pipeline_parallel_size > 1 is not supported: use tensor_parallel_size (with --tp)")
-    if cfg.max_beam_width != 1:
-        raise ConfigError("max_beam_width > 1 (beam search) is not supported with DFlash: remove it")
-    if cfg.enable_lora:
-        raise ConfigError("enable_lora is not supported by this server: remove it")
-    kv_dtype = (cfg.kv_cache_config or {}).get("dtype")  # a TRT-LLM sub-config: we only inspect its dtype
-    if isinstance(kv_dtype, str) and kv_dtype.lower() in _QUANTIZED_KV:
-        raise ConfigError(f"kv_cache_config.dtype '{kv_dtype}' (a quantized KV cache) is not supported on the "
-                          "torch backend and would change results: remove it")
-    ignored = [k for k in _TOP_NO_EFFECT if k in cfg.model_fields_set]
+    _refuse_result_changes(cfg)
+    given = [k for k in LlmApiConfig.model_fields if k in cfg.model_fields_set] + list(cfg.model_extra)
+    ignored = [k for k in given if k not in TOP_HONOURED]
     trtllm_args = {k: getattr(cfg, k) for k in ignored}
     kw: dict[str, Any] = dict(
         max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, max_num_tokens=cfg.max_num_tokens,
@@ -175,15 +170,10 @@ def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:
     )
     spec = cfg.speculative_config
     if spec is not None:
-        if spec.decoding_type != "DFlash":
-            raise ConfigError(f"speculative_config.decoding_type is '{spec.decoding_type}': this server runs "
-                              "DFlash only (decoding_type: DFlash)")
-        if spec.max_total_draft_tokens is not None and spec.max_draft_len is not None \
-                and spec.max_total_draft_tokens != spec.max_draft_len:
-            raise ConfigError("speculative_config.max_total_draft_tokens != max_draft_len means tree drafting, "
-                              "which DFlash does not do: remove max_total_draft_tokens")
-        ignored += [f"speculative_config.{k}" for k, default in _SPEC_NO_EFFECT.items()
-                    if k in spec.model_fields_set and getattr(spec, k) != default]
+        tuned = {k: getattr(spec, k) for k in spec.model_fields_set if k not in SPEC_HONOURED} | spec.model_extra
+        ignored += [f"speculative_config.{k}" for k in sorted(tuned)]
+        if tuned:
+            trtllm_args["speculative_config"] = tuned
         if spec.max_draft_len is not None:
             kw["block_size"] = spec.max_draft_len + 1
             kw["no_spec"] = spec.max_draft_len == 0
@@ -192,8 +182,8 @@ def resolve_overrides(cfg: LlmApiConfig) -> ServeOverrides:
         kw["mask_token_id"] = spec.mask_token_id
         kw["target_layer_ids"] = tuple(spec.target_layer_ids) if spec.target_layer_ids is not None else None
     if ignored:
-        log.warning("--config keys with no effect on the torch backend (ignored there; top-level ones go to "
-                    "TensorRT-LLM with --backend trtllm): %s", ", ".join(ignored))
+        log.warning("--config keys with no effect on the torch backend (ignored there; they go to TensorRT-LLM "
+                    "with --backend trtllm): %s", ", ".join(ignored))
     return ServeOverrides(ignored=tuple(ignored), trtllm_args=trtllm_args, **kw)
 
 
@@ -206,8 +196,9 @@ def check_against_drafter(over: ServeOverrides, drafter: DrafterConfig, where: s
         raise ConfigError(f"speculative_config.target_layer_ids is {list(over.target_layer_ids)} but the drafter "
                           f"at {where} reads layers {list(drafter.target_layer_ids)}: fix the file or drop the key")
     if over.block_size is not None and over.block_size > drafter.block_size:
-        log.warning("max_draft_len %d exceeds what the drafter at %s was trained for (%d): acceptance will be low",
-                    over.block_size - 1, where, drafter.block_size - 1)
+        raise ConfigError(f"speculative_config.max_draft_len is {over.block_size - 1} but the drafter at {where} "
+                          f"has block_size {drafter.block_size}: max_draft_len + 1 must not exceed it (as in "
+                          f"TensorRT-LLM): lower max_draft_len to at most {drafter.block_size - 1}")
 
 
 @dataclass(frozen=True)

@@ -39,3 +39,25 @@ def test_trtllm_dflash_matches_torch_oracle(tmp_path):
         assert isinstance(events[-1], FinalEvent) and events[-1].result.tokens == expected
     finally:
         engine.shutdown()
+
+
+def test_the_pinned_field_names_equal_the_installed_release():
+    """dflash_trt/data/trtllm_<release>_llm_api.json was transcribed from upstream sources; inside the
+    pinned container the installed tensorrt_llm is the authority."""
+    import tensorrt_llm
+
+    from dflash_trt.trtllm_release import installed_fields, pinned
+
+    release = pinned()
+    assert tensorrt_llm.__version__ == release.version, "run this in the pinned container"
+    installed = installed_fields()
+    for cls, names in installed.items():
+        assert set(names) == release.classes[cls].declared, cls
+
+
+def test_the_drafter_attention_backend_follows_this_gpu():
+    from dflash_trt.runtime.trtllm import TRTLLM_ATTENTION_SM, dflash_attention_backend
+
+    capability = torch.cuda.get_device_capability(0)
+    expected = "TRTLLM" if tuple(capability) in TRTLLM_ATTENTION_SM else "VANILLA"
+    assert dflash_attention_backend(capability) == expected

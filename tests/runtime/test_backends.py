@@ -22,7 +22,8 @@ from dflash_trt.errors import BackendUnavailableError, ConfigError, ContextLengt
 from dflash_trt.models.tiny import save_tiny_checkpoint
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, Scheduler, TokenEvent
 from dflash_trt.runtime.factory import LoadConfig, TrtllmOptions, load_backend
-from dflash_trt.runtime.trtllm import TrtllmApi, llm_arguments, load_trtllm, speculative_config
+from dflash_trt.runtime.trtllm import (TrtllmApi, dflash_attention_backend, llm_arguments, load_trtllm,
+                                      speculative_config)
 
 BLOCK, NEW, MAX_SEQ = 4, 12, 128
 PROMPTS = [[1, 5, 6, 7, 8], [3, 9, 10]]
@@ -88,7 +89,8 @@ class FakeLLM:
         self.closed = True
 
 
-FAKE_API = TrtllmApi(LLM=FakeLLM, SamplingParams=FakeSamplingParams, update_llm_args=lambda base, extra: base | extra)
+FAKE_API = TrtllmApi(LLM=FakeLLM, SamplingParams=FakeSamplingParams, update_llm_args=lambda base, extra: base | extra,
+                     device_capability=lambda: (9, 0))  # a Hopper GPU: the drafter gets VANILLA attention
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,8 @@ def test_the_same_requests_give_the_same_results(engines, ckpt):
     drafter = DrafterConfig.load(ckpt[1])
     assert llm.kwargs == {"model": str(ckpt[0].absolute()), "backend": "pytorch", "max_batch_size": 2,
                           "max_seq_len": MAX_SEQ,
-                          "speculative_config": speculative_config(ckpt[1].absolute(), drafter, BLOCK - 1)}
+                          "speculative_config": speculative_config(ckpt[1].absolute(), drafter, BLOCK - 1,
+                                                                   attention_backend="VANILLA")}
     assert llm.kwargs["speculative_config"]["target_layer_ids"] == list(drafter.target_layer_ids)
     assert [r[0] for r in llm.requests[-2:]] == PROMPTS
     assert llm.requests[-1][1] == {"max_tokens": NEW, "temperature": 0.0, "top_k": None, "top_p": 1.0, "seed": None,
@@ -169,16 +172,48 @@ def test_llm_arguments_keep_one_place_per_setting(ckpt):
     load = LoadConfig(ckpt[0], ckpt[1])
     drafter = DrafterConfig.load(ckpt[1])
     config = EngineConfig(max_batch_size=4, max_seq_len=256, acceptance="rejection")
-    base, extra = llm_arguments(load, config, TrtllmOptions({"tensor_parallel_size": 8}, "TRTLLM"), (drafter, 8))
-    assert extra["tensor_parallel_size"] == 8
-    assert extra["speculative_config"] == {**speculative_config(ckpt[1].absolute(), drafter, 7),
+    base, extra = llm_arguments(load, config, TrtllmOptions({"tensor_parallel_size": 8}), (drafter, BLOCK), (10, 3))
+    assert extra["tensor_parallel_size"] == 8 and base["max_seq_len"] == 256  # max_seq_len always explicit
+    assert extra["speculative_config"] == {**speculative_config(ckpt[1].absolute(), drafter, BLOCK - 1),
                                            "use_rejection_sampling": True, "attention_backend": "TRTLLM"}
+    # a file's extra DFlash keys join the adapter's mapping; its own keys must agree
+    given = {"speculative_config": {"max_concurrency": 4, "attention_backend": "VANILLA"}}
+    _, extra = llm_arguments(load, config, TrtllmOptions(given), (drafter, BLOCK), (10, 0))
+    assert extra["speculative_config"]["max_concurrency"] == 4
+    assert extra["speculative_config"]["attention_backend"] == "VANILLA"
+    with pytest.raises(ConfigError, match="speculative_config .'max_draft_len'. disagree"):
+        llm_arguments(load, config, TrtllmOptions({"speculative_config": {"max_draft_len": 1}}), (drafter, BLOCK), (9, 0))
     with pytest.raises(ConfigError, match="max_batch_size"):
-        llm_arguments(load, config, TrtllmOptions({"max_batch_size": 16}), (drafter, 8))
+        llm_arguments(load, config, TrtllmOptions({"max_batch_size": 16}), (drafter, BLOCK), (9, 0))
     with pytest.raises(ConfigError, match="autoregressive"):
-        llm_arguments(load, config, TrtllmOptions({"speculative_config": {}}), None)
+        llm_arguments(load, config, TrtllmOptions({"speculative_config": {}}), None, (9, 0))
     with pytest.raises(ConfigError, match="max_draft_len"):
         speculative_config(ckpt[1], drafter, 0)
+
+
+@pytest.mark.parametrize("capability, requested, expected", [
+    ((10, 0), None, "TRTLLM"), ((10, 3), None, "TRTLLM"),  # B200 / B300
+    ((9, 0), None, "VANILLA"), ((12, 0), None, "VANILLA"), ((8, 9), None, "VANILLA"),  # never a blanket TRTLLM
+    ((9, 0), "FA4", "FA4"), ((10, 0), "VANILLA", "VANILLA"),
+    ((9, 0), "TRTLLM", "needs a Blackwell SM100/SM103 GPU"), ((10, 0), "FLASHINFER", "must be one of"),
+])
+def test_the_drafter_attention_backend_follows_the_gpu(capability, requested, expected):
+    if expected.isupper() and " " not in expected:
+        assert dflash_attention_backend(capability, requested) == expected
+    else:
+        with pytest.raises(ConfigError, match=expected):
+            dflash_attention_backend(capability, requested)
+
+
+def test_max_draft_len_must_fit_the_drafter_block(ckpt):
+    """Upstream's DFlashWorker refuses max_draft_len + 1 > the drafter's block_size."""
+    drafter = DrafterConfig.load(ckpt[1])
+    assert speculative_config(ckpt[1], drafter, drafter.block_size - 1)["max_draft_len"] == drafter.block_size - 1
+    with pytest.raises(ConfigError, match=f"lower max_draft_len to at most {drafter.block_size - 1}"):
+        speculative_config(ckpt[1], drafter, drafter.block_size)
+    with pytest.raises(ConfigError, match="at most"):
+        llm_arguments(LoadConfig(ckpt[0], ckpt[1]), EngineConfig(block_size=drafter.block_size + 1), TrtllmOptions(),
+                      (drafter, drafter.block_size + 1), (9, 0))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="TensorRT-LLM is installed")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import yaml
@@ -49,6 +50,8 @@ def test_max_draft_len_zero_is_autoregressive():
     ({"speculative_config": {"decoding_type": "Eagle3", "max_draft_len": 3}}, "DFlash only"),
     ({"speculative_config": {"decoding_type": "DFlash", "max_draft_len": 3, "max_total_draft_tokens": 9}}, "tree"),
     ({"max_beam_width": 4}, "beam"),
+    ({"context_parallel_size": 2}, "context_parallel_size"),
+    ({"lora_config": {"lora_dir": ["/x"]}}, "lora_config"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"enable_lora": True}, "enable_lora"),
     ({"kv_cache_config": {"dtype": "fp8"}}, "kv_cache_config.dtype"),
@@ -61,15 +64,41 @@ def test_bad_configs_are_errors_naming_the_key(raw, needle):
 
 def test_keys_without_effect_are_listed_in_one_warning(caplog):
     raw = {"kv_cache_config": {"free_gpu_memory_fraction": 0.9}, "cuda_graph_config": None,
-           "attention_backend": "TRTLLM", "enable_chunked_prefill": True,
+           "attn_backend": "VANILLA", "enable_chunked_prefill": True,
            "speculative_config": {"decoding_type": "DFlash", "max_draft_len": 7, "attention_backend": "TRTLLM",
-                                  "max_concurrency": 4}}
+                                  "max_concurrency": 4, "context_recompute_tail": 8}}
     with caplog.at_level(logging.WARNING, logger="dflash_trt.serve.config"):
         over = resolve_overrides(parse_llm_api_config(raw))
-    assert set(over.ignored) == {"kv_cache_config", "cuda_graph_config", "attention_backend", "enable_chunked_prefill",
-                                 "speculative_config.attention_backend", "speculative_config.max_concurrency"}
+    assert set(over.ignored) == {"kv_cache_config", "cuda_graph_config", "attn_backend", "enable_chunked_prefill",
+                                 "speculative_config.attention_backend", "speculative_config.max_concurrency",
+                                 "speculative_config.context_recompute_tail"}
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "speculative_config.max_concurrency" in warnings[0].getMessage()
+    # with --backend trtllm these go to TensorRT-LLM as given (the speculative ones under speculative_config)
+    assert over.trtllm_args["attn_backend"] == "VANILLA" and over.trtllm_args["cuda_graph_config"] is None
+    assert over.trtllm_args["speculative_config"] == {"attention_backend": "TRTLLM", "max_concurrency": 4,
+                                                      "context_recompute_tail": 8}
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"attention_backend": "TRTLLM"}, "unknown key 'attention_backend'"),  # upstream's top-level field is attn_backend
+    ({"kv_cache_free_gpu_memory_fraction": 0.9}, "unknown key 'kv_cache_free_gpu_memory_fraction'"),
+    ({"kv_cache_config": {"free_gpu_memory": 0.9}}, "unknown key 'kv_cache_config.free_gpu_memory'"),
+    ({"moe_config": {"backend": "TRTLLM", "load_balance": 1}}, "'moe_config.load_balance'"),
+    ({"speculative_config": {"decoding_type": "DFlash", "block_size": 8}}, "'speculative_config.block_size'"),
+    ({"backend": "tensorrt"}, "backend is 'tensorrt'"),
+    ({"speculative_config": {"decoding_type": "DFlash", "attention_backend": "FLASHINFER"}}, "accepts VANILLA"),
+])
+def test_keys_outside_the_pinned_release_are_refused(raw, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as info:
+        parse_llm_api_config(raw)
+    assert "1.4.0rc1" in str(info.value) or "accepts" in str(info.value)
+
+
+def test_speculative_model_dir_is_an_alias():
+    over = resolve_overrides(parse_llm_api_config({"speculative_config": {"decoding_type": "DFlash",
+                                                                          "speculative_model_dir": "/d"}}))
+    assert str(over.drafter) == "/d" and over.ignored == ()
 
 
 def test_mask_token_and_target_layer_ids_must_match_the_drafter(tiny_checkpoint):
@@ -91,6 +120,8 @@ def _serve(tmp_path, tiny_checkpoint, cfg: dict, *flags: str) -> int:
 
 @pytest.mark.parametrize("cfg,flags,needle", [
     ({"bogus_key": 1}, (), "unknown key 'bogus_key'"),
+    ({"attention_backend": "VANILLA"}, (), "unknown key 'attention_backend'"),
+    ({"speculative_config": {"decoding_type": "DFlash", "max_draft_len": 9}}, (), "lower max_draft_len to at most 7"),
     ({"tensor_parallel_size": 2}, (), "--tp 2"),
     ({"max_batch_size": 4}, ("--max-batch-size", "2"), "give it in one place"),
     ({"speculative_config": {"decoding_type": "DFlash", "mask_token_id": 7}}, (), "trained with 4"),
