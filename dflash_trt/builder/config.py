@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dflash_trt.config import load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
+from dflash_trt.trtllm_release import pinned
 
 GPU_ARCHS: dict[str, tuple[str, frozenset[str]]] = {
     # name -> (what it is, quantization formats its tensor cores run)
@@ -107,7 +108,11 @@ class ServeSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     free_gpu_memory_fraction: float = Field(default=0.85, gt=0.0, le=1.0)
-    container_image: str = "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27"
+    # the pinned TensorRT-LLM release (dflash_trt/trtllm_release.py): the image trtllm-serve runs in, and
+    # the image the Triton job runs in (docker/Dockerfile.triton: tritonserver + tensorrt_llm + dflash_trt)
+    container_image: str = Field(default_factory=lambda: pinned().release_image)
+    triton_image: str = Field(default_factory=lambda: f"dflash-trt-triton:{pinned().version}")
+    triton_decoupled: bool = False  # Triton transaction policy: unary (upstream's default) or streaming
     triton: bool = True
     triton_model_name: str = Field(default="dflash", pattern=r"^[A-Za-z0-9_\-]+$")
     health_timeout_s: int = Field(default=1800, ge=10)
@@ -124,7 +129,8 @@ class BuildConfig(_Strict):
     max_batch_size: int = Field(ge=1, le=4096)
     max_seq_len: int = Field(ge=16)
     max_num_tokens: int | None = Field(default=None, ge=16)
-    max_draft_len: int = Field(ge=1, le=63)
+    max_draft_len: int = Field(ge=1, description="drafted tokens per step; max_draft_len + 1 <= the drafter's "
+                               "block_size (checked against its config.json)")
     moe_backend: MoeBackend | None = None
     cuda_graph_batch_sizes: list[int] = Field(default_factory=list)
     calibration_samples: int = Field(default=512, ge=1, le=4096,
@@ -211,6 +217,11 @@ def _backend_rules(cfg: BuildConfig) -> None:
     if cfg.backend.startswith("trtllm") and cfg.gpu_arch == "cpu":
         raise ConfigError(f"backend {cfg.backend} runs on NVIDIA GPUs only: set gpu_arch (e.g. sm_103 for B300) "
                           "or use backend torch for CPU")
+    release = pinned()
+    repo, _, tag = cfg.serve.container_image.rpartition(":")
+    if repo == release.release_image.rpartition(":")[0] and tag != release.version:
+        raise ConfigError(f"serve.container_image is TensorRT-LLM {tag}, but this build writes LLM-API options "
+                          f"checked against {release.version} (the pinned release): use {release.release_image}")
     if cfg.backend == "torch" and cfg.parallel.pp != 1:
         raise ConfigError("the torch backend supports tensor parallelism only: set pp to 1")
     sizes = cfg.cuda_graph_batch_sizes

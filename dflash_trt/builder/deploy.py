@@ -21,6 +21,7 @@ import yaml
 
 from dflash_trt.builder import trtllm
 from dflash_trt.builder.plan import BuildPlan
+from dflash_trt.trtllm_release import pinned
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def _env_lines(plan: BuildPlan) -> list[str]:
         "DFLASH_BUILD_DIR": str(plan.out), "DFLASH_BACKEND": cfg.backend, "DFLASH_TP": p.tp, "DFLASH_PP": p.pp,
         "DFLASH_EP": p.ep, "DFLASH_RANKS": p.ranks, "DFLASH_NODES": p.nodes, "DFLASH_GPUS_PER_NODE": p.gpus_per_node,
         "DFLASH_HOST": cfg.serve.host, "DFLASH_PORT": cfg.serve.port,
-        "DFLASH_CONTAINER_IMAGE": cfg.serve.container_image, "DFLASH_HEALTH_TIMEOUT": cfg.serve.health_timeout_s,
+        "DFLASH_CONTAINER_IMAGE": cfg.serve.container_image, "DFLASH_TRITON_IMAGE": cfg.serve.triton_image,
+        "DFLASH_TRTLLM_VERSION": pinned().version, "DFLASH_HEALTH_TIMEOUT": cfg.serve.health_timeout_s,
         "DFLASH_TRITON_MODEL": cfg.serve.triton_model_name,
         "DFLASH_SERVE_CMD": trtllm.shell_line(trtllm.serve_argv(cfg, plan.out)),
     }
@@ -98,9 +100,12 @@ def triton_settings(plan: BuildPlan):
               "max_seq_len": cfg.max_seq_len, "speculative": True, "acceptance": "exact"}
     raw = {"model_name": cfg.serve.triton_model_name, "backend": "torch" if cfg.backend == "torch" else "trtllm",
            "target": str(plan.out / "target"), "drafter": str(plan.out / "drafter"),
-           "dtype": "float32" if cfg.gpu_arch == "cpu" else "bfloat16", "engine": engine}
+           "dtype": "float32" if cfg.gpu_arch == "cpu" else "bfloat16", "engine": engine,
+           "triton_config": {"max_batch_size": 0, "decoupled": cfg.serve.triton_decoupled}}
     if cfg.backend != "torch":
         raw["trtllm_llm_args"] = trtllm.llm_api_options(cfg, plan.out / "drafter", plan.sources.drafter_config)
+        # one node: one tritonserver whose TensorRT-LLM spawns its TP workers; several: one per rank, rank 0 leads
+        raw["mpi"] = "world" if cfg.parallel.nodes > 1 else "spawn"
     return TritonSettings.from_dict(raw, where="build triton settings")
 
 

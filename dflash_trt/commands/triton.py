@@ -1,10 +1,11 @@
 """`dflash-trt triton-repo` and `dflash-trt triton-serve`: DFlash on Triton Inference Server.
 
-triton-repo writes a model repository (Python backend, decoupled/streaming) whose tensors match
-TensorRT-LLM's LLM-API Triton model: text_input, streaming, sampling_param_* -> text_output,
-finish_reason, acceptance_rate, total_accepted_draft_tokens, total_draft_tokens. With --config the
-model settings come from a YAML (schema in dflash_trt/serve/triton/settings.py); model flags that are
-given with a value other than their default override it.
+triton-repo writes a model repository (Python backend) that is a drop-in for TensorRT-LLM's LLM-API
+Triton model: the same input and output tensors (text_input, streaming, sampling_param_*,
+return_* -> text_output, finish_reason, stop_reason, perf metrics), unary requests by default
+(triton_config.decoupled: false in 1/model.yaml, as upstream) and streaming with --decoupled.
+With --config the model settings come from a YAML (schema in dflash_trt/serve/triton/settings.py);
+model flags that are given with a value other than their default override it.
 
 triton-serve starts nvidia-pytriton's bundled tritonserver on that repository (loopback by
 default), waits until it is ready, and stops it cleanly on SIGTERM / Ctrl-C.
@@ -27,6 +28,7 @@ REPO_FLAGS = {  # flag dest -> (section or None, settings key)
     "block_size": ("engine", "block_size"), "acceptance": ("engine", "acceptance"),
     "max_seq_len": ("engine", "max_seq_len"), "max_batch_size": ("engine", "max_batch_size"),
     "max_queue": ("scheduler", "max_queue"), "token_budget": ("scheduler", "token_budget"),
+    "decoupled": ("triton_config", "decoupled"),
 }
 
 
@@ -41,6 +43,8 @@ def register(sub) -> None:
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads in the model process (default: torch's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond the running batch")
     p.add_argument("--token-budget", type=int, default=4096, help="tokens one scheduler step may process")
+    p.add_argument("--decoupled", action="store_true",
+                   help="streaming model (decoupled transaction policy); default: unary requests, as upstream")
     p.add_argument("--force", action="store_true", help="replace an existing model folder")
     add_backend_flag(p)
     add_model_flags(p)
@@ -73,7 +77,7 @@ def _settings_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             raw["engine"]["speculative"], raw["drafter"] = False, None
     else:
         load = load_config(args)  # resolves the embedded default target and the shipped drafter
-        raw = {"engine": {"speculative": not args.no_spec}, "scheduler": {}}
+        raw = {"engine": {"speculative": not args.no_spec}, "scheduler": {}, "triton_config": {}}
         raw["target"], raw["drafter"] = str(load.target), None if load.drafter is None else str(load.drafter)
         base = Path.cwd()
         given = set(REPO_FLAGS) - {"target", "drafter"}

@@ -54,6 +54,7 @@ class TrtllmOptions:
     DFlashDecodingConfig keys such as attention_backend to the adapter's own mapping)."""
 
     llm_args: dict[str, Any] = field(default_factory=dict)
+    mpi_session: object | None = field(default=None, compare=False)  # MpiCommSession over an MPI world (Triton)
 
 
 def load_tokenizer(directory: Path):

@@ -61,6 +61,8 @@ class RequestHandle:
     sequence: Sequence
     events: "queue.Queue[TokenEvent | FinalEvent | ErrorEvent]" = field(default_factory=queue.Queue)
     cancel_requested: threading.Event = field(default_factory=threading.Event)
+    submitted_ns: int = field(default_factory=time.time_ns)  # wall clock, for per-request timing reports
+    admitted_ns: int | None = None  # when the scheduler started it on the engine (wall clock)
 
     @property
     def request_id(self) -> str:
@@ -190,7 +192,9 @@ class Scheduler:
                     break  # a lone request on an idle engine is admitted even past the budget
                 batch.append(self._waiting.pop(0))
                 budget -= cost
+            now_ns = time.time_ns()
             for h in batch:
+                h.admitted_ns = now_ns
                 self._running[id(h.sequence)] = h
         if batch:
             self._dispatch(self.engine.add([h.sequence for h in batch]))

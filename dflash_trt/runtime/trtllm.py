@@ -23,6 +23,12 @@ Upstream files checked (NVIDIA/TensorRT-LLM):
   tensorrt_llm/_torch/speculative/dflash_attention.py @0352547de78ebe7ff7657f801631ca5ce04d888c),
   so it is picked from the GPU (`dflash_attention_backend`), never as a blanket default;
   the drafter's context arena is sized by `max_seq_len`, so it is always passed explicitly.
+Multi-rank models (the Triton model's `mpi: world`), as TensorRT-LLM's LLM-API Triton model does
+(triton_backend/all_models/llmapi/tensorrt_llm/1/model.py @044a90d209e380c95e23e8ae42f3583fa05ada78):
+rank 0 of MPI COMM_WORLD builds `MpiCommSession(comm=COMM_WORLD, n_workers=size)` and passes it
+as the LLM's `_mpi_session`; every other rank serves it from `MPICommExecutor(COMM_WORLD)` until
+the leader shuts down. A single process instead drops the MPI job variables it inherited (the
+same set upstream clears) so TensorRT-LLM can spawn its own workers.
 Step statistics: TensorRT-LLM streams one response per iteration (stream_interval 1, its default),
 so a response of n new tokens after the first is one verification step with n - 1 accepted drafts.
 NOT EXECUTED in this project's CI: TensorRT-LLM cannot be installed there. The tests drive this
@@ -35,7 +41,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence as Seq
+from typing import Any, Callable, ClassVar, MutableMapping, Sequence as Seq
 
 from dflash_trt.config import DrafterConfig, TargetInfo
 from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat,
@@ -46,6 +52,15 @@ from dflash_trt.trtllm_release import DECODING_TYPE, pinned
 
 log = logging.getLogger(__name__)
 
+# MPI job state a process inherits from mpirun / srun (config variables such as OMPI_MCA_* stay)
+MPI_JOB_ENV = frozenset({
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_NODE_RANK", "OMPI_UNIVERSE_SIZE", "OMPI_FIRST_RANKS", "OMPI_APP_CTX_NUM_PROCS",
+    "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21", "PMIX_SERVER_URI3",
+    "PMIX_SERVER_TMPDIR", "PMIX_SYSTEM_TMPDIR", "PMIX_SECURITY_MODE", "PMIX_GDS_MODULE", "PMIX_BFROPS_MODULE",
+    "PMIX_PTL_MODULE", "PMIX_VERSION", "PMIX_HOSTNAME", "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_SPAWNED", "PMI_APPNUM",
+})
+MPI_JOB_ENV_PREFIXES = ("OMPI_MCA_orte_", "ORTE_")
 TRTLLM_ATTENTION_SM = ((10, 0), (10, 3))  # DFlash attention_backend TRTLLM: Blackwell B200/GB200, B300/GB300
 TRTLLM_FINISH = ("stop", "length", "timeout", "cancelled")  # CompletionOutput.finish_reason; passed through
 
@@ -89,6 +104,42 @@ def speculative_config(drafter_dir: Path, drafter: DrafterConfig, max_draft_len:
             raise ConfigError(f"attention_backend must be one of {', '.join(allowed)}, got '{attention_backend}'")
         cfg["attention_backend"] = attention_backend
     return cfg
+
+
+def drop_inherited_mpi_job(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove the inherited MPI job variables from `environ` (before mpi4py or tensorrt_llm is
+    imported in this process); returns the names removed."""
+    gone = sorted(k for k in environ if k in MPI_JOB_ENV or k.startswith(MPI_JOB_ENV_PREFIXES))
+    for key in gone:
+        del environ[key]
+    return gone
+
+
+def mpi_world() -> tuple[int, int]:
+    """(rank, size) of MPI COMM_WORLD for this process."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(f"mpi: world needs mpi4py ({exc}): pip install mpi4py") from exc
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def serve_mpi_leader() -> None:
+    """A non-leader rank: run the tasks rank 0's MPI session sends until the leader shuts it down."""
+    from mpi4py import MPI
+    from mpi4py.futures import MPICommExecutor
+
+    with MPICommExecutor(MPI.COMM_WORLD) as executor:
+        if executor is not None:
+            raise DFlashError(f"rank {MPI.COMM_WORLD.Get_rank()} got the MPI executor: only rank 0 leads")
+
+
+def leader_mpi_session(size: int):
+    """Rank 0's TensorRT-LLM session over the whole MPI world (the LLM's `_mpi_session`)."""
+    from mpi4py import MPI
+
+    llmapi = importlib.import_module("tensorrt_llm.llmapi")
+    return llmapi.MpiCommSession(comm=MPI.COMM_WORLD, n_workers=size)
 
 
 @dataclass(frozen=True)
@@ -210,7 +261,8 @@ class TrtllmEngine:
         base, extra = llm_arguments(load, config, options, (drafter, self.block_size) if self.speculative else None,
                                     api.device_capability())
         log.info("starting tensorrt_llm.LLM with %s + %s", base, extra)
-        self.llm = api.LLM(**api.update_llm_args(base, extra))
+        session = {} if options.mpi_session is None else {"_mpi_session": options.mpi_session}
+        self.llm = api.LLM(**api.update_llm_args(base, extra), **session)
         self.active: list[Sequence] = []
         self._results: dict[int, Any] = {}  # id(sequence) -> TensorRT-LLM's streaming result
         self._ids = 0
@@ -290,4 +342,5 @@ class TrtllmEngine:
 
 
 __all__ = ["DECODING_TYPE", "TRTLLM_ATTENTION_SM", "TrtllmApi", "TrtllmEngine", "TrtllmModels",
-           "dflash_attention_backend", "import_tensorrt_llm", "llm_arguments", "load_trtllm", "speculative_config"]
+           "dflash_attention_backend", "drop_inherited_mpi_job", "import_tensorrt_llm", "leader_mpi_session",
+           "mpi_world", "serve_mpi_leader", "llm_arguments", "load_trtllm", "speculative_config"]

@@ -5,7 +5,7 @@ only the stable part is sent: a trailing U+FFFD (an incomplete UTF-8 sequence at
 token boundary) and the last `len(longest stop) - 1` characters (a stop string may be starting)
 are held back until more tokens or the end arrive. Stop strings are cut from the text (OpenAI
 semantics: the stop sequence is not returned), so the concatenated deltas equal the full text.
-The Triton model uses it without stop strings (the engine already cut the tokens at them).
+The Triton model sends the running sum of the deltas (its responses carry the whole text so far).
 """
 from __future__ import annotations
 

@@ -57,6 +57,7 @@ def edited(**changes) -> dict:
     ({"cuda_graph_batch_sizes": [1, 128]}, "cuda_graph_batch_sizes"),
     ({"max_num_tokens": 100}, "cannot hold one verify block"),
     ({"max_batch_size": "64"}, "max_batch_size"),
+    ({"serve__container_image": "nvcr.io/nvidia/tensorrt-llm/release:1.3.0rc27"}, "use nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1"),
 ])
 def test_static_rules(changes, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -66,6 +67,8 @@ def test_static_rules(changes, message):
 def test_shipped_config_is_valid():
     cfg = parse_build_config(gpt_oss_raw())
     assert (cfg.parallel.tp, cfg.parallel.ep, cfg.target.quantization, cfg.kv_cache_dtype) == (8, 8, "mxfp4", "fp8")
+    assert cfg.serve.container_image == "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1"  # the pin is the default
+    assert cfg.serve.triton_image == "dflash-trt-triton:1.4.0rc1" and not cfg.serve.triton_decoupled
 
 
 def _write_checkpoint_configs(root: Path, **drafter_overrides) -> tuple[Path, dict]:

@@ -1,8 +1,12 @@
 """A REAL Triton Inference Server (nvidia-pytriton's bundled tritonserver + Python backend) serving
-a DFlash model repository written by `dflash-trt triton-repo` for a tiny float64 checkpoint.
+two DFlash models written by `dflash-trt triton-repo` for a tiny float64 checkpoint: `tiny`, unary
+(upstream's default, decoupled: false) and `tiny_stream` (--decoupled). Requests use the input
+names of TensorRT-LLM's LLM-API Triton model, as a client written for it would.
 
 One server for the module, on free loopback ports. Budget: ~60-120 s, mostly server start-up
-(the Python stub imports torch and loads the models).
+(the Python stubs import torch and load the models). The stubs import dflash_trt from the
+working directory first (Triton's Python stub runs isolated: '' leads sys.path, PYTHONPATH is
+ignored), so run the tests from the repository root.
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc]
 
 from dflash_trt import cli  # noqa: E402
 
-MODEL = "tiny"
+MODEL = "tiny"  # unary
+STREAM = "tiny_stream"  # decoupled
 PROMPT = "Hello there, Triton!"
 TOKENS = 24
 MAX_SEQ_LEN = 256
@@ -74,6 +79,10 @@ class Triton:
         return f"http://127.0.0.1:{self.http_port}/v2/models/{MODEL}"
 
     @property
+    def http_stream(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v2/models/{STREAM}"
+
+    @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
@@ -109,8 +118,9 @@ def triton(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton")
     target, drafter = save_tiny_checkpoint(tmp / "ckpt", "llama", block_size=4)
     flags = ["--target", str(target), "--drafter", str(drafter), "--dtype", "float64", "--max-seq-len", str(MAX_SEQ_LEN)]
-    assert cli.main(["triton-repo", "--output", str(tmp / "repo"), "--model-name", MODEL, "--max-batch-size", "4",
-                     "--default-max-tokens", "16", "--torch-threads", "1", *flags]) == 0
+    for name, extra in ((MODEL, []), (STREAM, ["--decoupled"])):
+        assert cli.main(["triton-repo", "--output", str(tmp / "repo"), "--model-name", name, "--max-batch-size", "4",
+                         "--default-max-tokens", "16", "--torch-threads", "1", *extra, *flags]) == 0
     ports = set()
     while len(ports) < 3:
         ports.add(free_port())
@@ -137,52 +147,69 @@ def triton(tmp_path_factory):
 
 
 def reference(triton: Triton, capsys, prompt: str, tokens: int) -> dict:
-    """`dflash-trt generate --json` on the same checkpoint and engine flags."""
+    """`dflash-trt generate --json` on the same checkpoint and engine flags, plus the prompt as the
+    tokenizer decodes it (upstream's text_output leads with the input unless it is excluded)."""
+    from transformers import AutoTokenizer
+
     capsys.readouterr()
     with one_thread():
         assert cli.main(["generate", "--prompt", prompt, "--max-new-tokens", str(tokens), "--json", *triton.model_flags]) == 0
-    return json.loads(capsys.readouterr().out)
+    ref = json.loads(capsys.readouterr().out)
+    tok = AutoTokenizer.from_pretrained(str(triton.target))
+    ref["prompt_text"] = tok.decode(tok.encode(prompt), skip_special_tokens=True)
+    return ref
 
 
-def grpc_inputs(prompt: str | None, streaming: bool = True, **scalars) -> list:
-    """scalars: name -> (numpy value, Triton dtype), e.g. sampling_param_max_tokens=(np.int32(8), 'INT32')."""
-    inputs = []
-    if prompt is not None:
-        t = grpcclient.InferInput("text_input", [1], "BYTES")
-        t.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
-        inputs.append(t)
-    s = grpcclient.InferInput("streaming", [1], "BOOL")
-    s.set_data_from_numpy(np.array([streaming]))
-    inputs.append(s)
-    for name, (value, dtype) in scalars.items():
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(np.array([value]))
-        inputs.append(t)
-    return inputs
+def tensor(name: str, value, dtype: str):
+    """One input as upstream's clients build it: a 1-element tensor (strings as BYTES)."""
+    array = np.array([value.encode() if isinstance(value, str) else value],
+                     dtype=np.object_ if isinstance(value, str) else None)
+    t = grpcclient.InferInput(name, [1], dtype)
+    t.set_data_from_numpy(array)
+    return t
 
 
-def grpc_stream(triton: Triton, inputs: list, request_id: str = "", timeout: float = 60.0):
-    """Send one request on a gRPC stream; returns (text pieces, final outputs dict, error or None)."""
+def inputs(prompt: str | None, **named) -> list:
+    """named: input name -> (value, Triton dtype), e.g. sampling_param_max_tokens=(np.int32(8), "INT32")."""
+    out = [tensor("text_input", prompt, "BYTES")] if prompt is not None else []
+    return out + [tensor(name, value, dtype) for name, (value, dtype) in named.items()]
+
+
+ASK_ALL = {"return_finish_reason": (True, "BOOL"), "return_stop_reason": (True, "BOOL"),
+           "sampling_param_return_perf_metrics": (True, "BOOL")}
+FINAL = ("finish_reason", "stop_reason", "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens",
+         "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+
+
+def grpc_stream(triton: Triton, request: list, request_id: str = "", timeout: float = 60.0):
+    """Send one request on a gRPC stream to the streaming model; returns (text of each response,
+    final outputs dict, error or None)."""
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     client.start_stream(callback=lambda result, error: events.put((result, error)))
     try:
-        client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
-        pieces = []
+        client.async_stream_infer(STREAM, request, request_id=request_id, enable_empty_final_response=True)
+        texts = []
         while True:
             result, error = events.get(timeout=timeout)
             if error is not None:
-                return pieces, None, error
+                return texts, None, error
             response = result.get_response()
             text = result.as_numpy("text_output")
             if text is not None:
-                pieces.append(text[0].decode())
+                texts.append(text[0].decode())
             if response.parameters["triton_final_response"].bool_param:
-                final = {name: result.as_numpy(name) for name in ("finish_reason", "acceptance_rate",
-                                                                  "total_accepted_draft_tokens", "total_draft_tokens")}
-                return pieces, final, None
+                return texts, {name: result.as_numpy(name) for name in FINAL}, None
     finally:
         client.stop_stream()
+        client.close()
+
+
+def grpc_unary(triton: Triton, request: list, timeout: float = 60.0):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        return client.infer(MODEL, request, client_timeout=timeout)
+    finally:
         client.close()
 
 
@@ -195,35 +222,75 @@ def post(url: str, body: dict) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def test_grpc_streaming_matches_generate(triton, capsys):
+def test_the_transaction_policy_comes_from_model_yaml(triton):
+    for model, decoupled in ((MODEL, False), (STREAM, True)):
+        with urllib.request.urlopen(f"http://127.0.0.1:{triton.http_port}/v2/models/{model}/config", timeout=10) as r:
+            config = json.loads(r.read())
+        assert config["max_batch_size"] == 0 and config["model_transaction_policy"]["decoupled"] is decoupled
+
+
+def test_unary_http_request_like_upstream(triton, capsys):
     ref = reference(triton, capsys, PROMPT, TOKENS)
-    pieces, final, error = grpc_stream(triton, grpc_inputs(PROMPT, sampling_param_max_tokens=(np.int32(TOKENS), "INT32")))
-    assert error is None
-    assert "".join(pieces) == ref["text"]
-    assert len(pieces) > 2, "the answer should arrive in several streamed chunks"
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": TOKENS, "return_finish_reason": True,
+            "return_stop_reason": True, "sampling_param_return_perf_metrics": True}
+    status, text = post(f"{triton.http}/generate", body)
+    assert status == 200, text
+    out = json.loads(text)
+    assert out["text_output"] == ref["prompt_text"] + ref["text"]  # the input leads (upstream's default)
+    assert out["finish_reason"] == ref["finish_reason"] and out["stop_reason"] == "None"
+    drafted, accepted = out["total_draft_tokens"], out["total_accepted_draft_tokens"]
+    assert drafted == sum(s["draft_tokens"] for s in ref["steps"]) and accepted == sum(s["accepted"] for s in ref["steps"])
+    assert out["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
+    times = [out[k] for k in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")]
+    assert times == sorted(times) and times[0] > 1.7e18  # wall-clock ns, in order
+    status, text = post(f"{triton.http}/generate", {"text_input": PROMPT, "sampling_param_max_tokens": TOKENS,
+                                                    "sampling_param_exclude_input_from_output": True})
+    assert status == 200 and json.loads(text)["text_output"] == ref["text"]
+    assert set(json.loads(text)) == {"model_name", "model_version", "text_output"}  # nothing unasked for
+
+
+def test_unary_grpc_request_with_a_stop_string(triton, capsys):
+    ref = reference(triton, capsys, PROMPT, TOKENS)
+    stop = ref["text"][len(ref["text"]) // 2:][:2]
+    assert stop, "the reference answer is long enough to stop inside it"
+    result = grpc_unary(triton, inputs(PROMPT, sampling_param_max_tokens=(np.int32(TOKENS), "INT32"),
+                                       sampling_param_exclude_input_from_output=(True, "BOOL"), **ASK_ALL) +
+                        [_strings("sampling_param_stop", [stop])])
+    text = result.as_numpy("text_output")[0].decode()
+    assert text == ref["text"][:ref["text"].find(stop)]  # cut before the stop string
+    assert result.as_numpy("finish_reason")[0] == b"stop" and result.as_numpy("stop_reason")[0].decode() == stop
+
+
+def _strings(name: str, values: list[str]):
+    t = grpcclient.InferInput(name, [len(values)], "BYTES")
+    t.set_data_from_numpy(np.array([v.encode() for v in values], dtype=np.object_))
+    return t
+
+
+def test_streaming_responses_are_cumulative(triton, capsys):
+    ref = reference(triton, capsys, PROMPT, TOKENS)
+    texts, final, error = grpc_stream(triton, inputs(PROMPT, streaming=(True, "BOOL"),
+                                                     sampling_param_max_tokens=(np.int32(TOKENS), "INT32"), **ASK_ALL))
+    assert error is None and len(texts) > 2, "the answer arrives in several responses"
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "each response carries the whole text so far"
+    assert texts[-1] == ref["prompt_text"] + ref["text"] and texts[0].startswith(ref["prompt_text"])
     assert final["finish_reason"][0].decode() == ref["finish_reason"]
-    drafted, accepted = int(final["total_draft_tokens"][0]), int(final["total_accepted_draft_tokens"][0])
-    assert drafted == sum(s["draft_tokens"] for s in ref["steps"])
-    assert accepted == sum(s["accepted"] for s in ref["steps"])
-    assert final["acceptance_rate"][0] == pytest.approx(accepted / drafted if drafted else 0.0)
-
-
-def test_http_generate_and_generate_stream(triton, capsys):
-    ref = reference(triton, capsys, PROMPT, TOKENS)
-    status, body = post(f"{triton.http}/generate", {"text_input": PROMPT, "sampling_param_max_tokens": TOKENS})
-    assert status == 200, body
-    out = json.loads(body)
-    assert out["text_output"] == ref["text"] and out["finish_reason"] == ref["finish_reason"]
-    status, body = post(f"{triton.http}/generate_stream",
-                        {"text_input": PROMPT, "sampling_param_max_tokens": TOKENS, "streaming": True})
+    assert int(final["total_draft_tokens"][0]) == sum(s["draft_tokens"] for s in ref["steps"])
+    status, body = post(f"{triton.http_stream}/generate_stream",
+                        {"text_input": PROMPT, "sampling_param_max_tokens": TOKENS, "streaming": True,
+                         "sampling_param_exclude_input_from_output": True, "return_finish_reason": True})
     assert status == 200, body
     events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
-    assert len(events) > 2
-    assert "".join(e["text_output"] for e in events) == ref["text"]
+    assert len(events) > 2 and events[-1]["text_output"] == ref["text"]
     assert events[-1]["finish_reason"] == ref["finish_reason"] and "finish_reason" not in events[0]
 
 
-def test_concurrent_clients_all_complete(triton):
+def test_streaming_on_the_unary_model_is_refused(triton):
+    status, text = post(f"{triton.http}/generate", {"text_input": "hi", "streaming": True})
+    assert status == 400 and "only supported in decoupled mode" in json.loads(text)["error"]
+
+
+def test_concurrent_unary_clients_all_complete(triton):
     import torch
 
     from dflash_trt.runtime.factory import LoadConfig, load_torch
@@ -238,9 +305,9 @@ def test_concurrent_clients_all_complete(triton):
     results: dict[int, str] = {}
 
     def client(i: int) -> None:
-        pieces, final, error = grpc_stream(triton, grpc_inputs(prompts[i], sampling_param_max_tokens=(np.int32(20), "INT32")))
-        assert error is None, error
-        results[i] = "".join(pieces)
+        result = grpc_unary(triton, inputs(prompts[i], sampling_param_max_tokens=(np.int32(20), "INT32"),
+                                           sampling_param_exclude_input_from_output=(True, "BOOL")), timeout=120)
+        results[i] = result.as_numpy("text_output")[0].decode()
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -258,6 +325,12 @@ def test_concurrent_clients_all_complete(triton):
     ({"text_input": "hi", "sampling_param_max_tokens": 0}, "max_new_tokens"),
     ({"text_input": "hi", "sampling_param_max_tokens": 100000}, "max_new_tokens"),
     ({"text_input": ""}, "empty"),
+    # upstream inputs this model cannot honour: accepted by the schema, refused with the reason
+    ({"text_input": "hi", "sampling_param_best_of": 3}, "best_of is 3"),
+    ({"text_input": "hi", "sampling_param_presence_penalty": 0.5}, "penalties"),
+    ({"text_input": "hi", "return_cumulative_logprob": True}, "no log-probabilities"),
+    ({"text_input": "hi", "lora_name": "a", "lora_id": 1, "lora_path": "/x"}, "LoRA"),
+    ({"text_input": "hi", "image_url": ["https://example.com/cat.png"]}, "text-only"),
 ])
 def test_bad_http_requests_get_errors(triton, body, message):
     status, text = post(f"{triton.http}/generate", body)
@@ -266,15 +339,16 @@ def test_bad_http_requests_get_errors(triton, body, message):
 
 
 def test_bad_grpc_requests_get_errors_and_the_model_stays_healthy(triton):
-    _, _, error = grpc_stream(triton, grpc_inputs(None, sampling_param_max_tokens=(np.int32(4), "INT32")))
+    _, _, error = grpc_stream(triton, inputs(None, sampling_param_max_tokens=(np.int32(4), "INT32")))
     assert error is not None and "text_input" in str(error)
-    _, _, error = grpc_stream(triton, grpc_inputs("hi", sampling_param_temperature=(np.float64(0.5), "FP64")))
+    _, _, error = grpc_stream(triton, inputs("hi", sampling_param_temperature=(np.float64(0.5), "FP64")))
     assert error is not None and "FP32" in str(error)  # Triton checks dtypes against config.pbtxt
     two = grpcclient.InferInput("text_input", [2], "BYTES")
     two.set_data_from_numpy(np.array([b"a", b"b"], dtype=np.object_))
     _, _, error = grpc_stream(triton, [two])
     assert error is not None and "exactly one prompt" in str(error)
-    pieces, final, error = grpc_stream(triton, grpc_inputs("still alive?", sampling_param_max_tokens=(np.int32(4), "INT32")))
+    _, final, error = grpc_stream(triton, inputs("still alive?", sampling_param_max_tokens=(np.int32(4), "INT32"),
+                                                 return_finish_reason=(True, "BOOL")))
     assert error is None and final["finish_reason"][0] in (b"length", b"stop")
     assert triton.is_ready()
 
@@ -282,29 +356,29 @@ def test_bad_grpc_requests_get_errors_and_the_model_stays_healthy(triton):
 def test_stop_input_cancels_a_running_request(triton):
     result: dict = {}
     long = threading.Thread(target=lambda: result.update(out=grpc_stream(
-        triton, grpc_inputs("a long answer", sampling_param_max_tokens=(np.int32(200), "INT32")), request_id="long-1")))
+        triton, inputs("a long answer", streaming=(True, "BOOL"), sampling_param_max_tokens=(np.int32(200), "INT32"),
+                       return_finish_reason=(True, "BOOL")), request_id="long-1")))
     long.start()
     cancelled = False
     for _ in range(100):  # send stop until the long request is running
-        stop = grpcclient.InferInput("stop", [1], "BOOL")
-        stop.set_data_from_numpy(np.array([True]))
-        _, final, error = grpc_stream(triton, [stop], request_id="long-1")
-        assert error is None and final["finish_reason"][0] == b"cancelled"
+        _, _, error = grpc_stream(triton, inputs(None, stop=(True, "BOOL")), request_id="long-1")
+        assert error is not None and "cancelled" in str(error).lower()  # as upstream: a CANCELLED answer
         long.join(timeout=0.2)
         if not long.is_alive():
             cancelled = True
             break
     assert cancelled
-    pieces, final, error = result["out"]
+    texts, final, error = result["out"]
     assert error is None and final["finish_reason"][0] == b"cancelled"
-    assert len("".join(pieces).encode()) < 200
+    assert not texts or len(texts[-1].encode()) < 200 + len("a long answer")
 
 
 def test_client_cancel_drops_the_request(triton):
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer(MODEL, grpc_inputs("cancel me", sampling_param_max_tokens=(np.int32(220), "INT32")))
+    client.async_stream_infer(STREAM, inputs("cancel me", streaming=(True, "BOOL"),
+                                             sampling_param_max_tokens=(np.int32(220), "INT32")))
     result, error = events.get(timeout=60)
     assert error is None and result.as_numpy("text_output") is not None  # it is streaming
     client.stop_stream(cancel_requests=True)
@@ -313,7 +387,8 @@ def test_client_cancel_drops_the_request(triton):
     while "cancelled by the client" not in triton.log_text() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "cancelled by the client" in triton.log_text()
-    _, final, error = grpc_stream(triton, grpc_inputs("after a cancel", sampling_param_max_tokens=(np.int32(4), "INT32")))
+    _, final, error = grpc_stream(triton, inputs("after a cancel", sampling_param_max_tokens=(np.int32(4), "INT32"),
+                                                 return_finish_reason=(True, "BOOL")))
     assert error is None and final["finish_reason"][0] in (b"length", b"stop")
 
 

@@ -14,25 +14,51 @@ import yaml
 from dflash_trt import cli
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.serve.text import TextStream
-from dflash_trt.serve.triton.protocol import FinalStats, output_arrays, parse_request
+from dflash_trt.serve.triton.protocol import FinalStats, matched_stop, output_arrays, parse_request
 from dflash_trt.serve.triton.settings import TritonSettings
 
-# TensorRT-LLM's llmapi Triton model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt):
-# name -> (data type, dims, optional) for the tensors we serve.
+# TensorRT-LLM's LLM-API Triton model (triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt
+# @0a71057313ec0626527e164a8fc0205c5822e2f5; sampling_param_logits_post_processor_name from 1/model.yaml
+# @0ebb1536ac12bbe27201185de960df3ab00bcecc): name -> (data type, dims, optional), transcribed.
 UPSTREAM_INPUTS = {
     "text_input": ("TYPE_STRING", [-1], False),
+    "image_url": ("TYPE_STRING", [-1], True),
     "streaming": ("TYPE_BOOL", [1], True),
+    "sampling_param_best_of": ("TYPE_INT32", [1], True),
     "sampling_param_temperature": ("TYPE_FP32", [1], True),
     "sampling_param_top_k": ("TYPE_INT32", [1], True),
     "sampling_param_top_p": ("TYPE_FP32", [1], True),
+    "sampling_param_frequency_penalty": ("TYPE_FP32", [1], True),
+    "sampling_param_presence_penalty": ("TYPE_FP32", [1], True),
     "sampling_param_max_tokens": ("TYPE_INT32", [1], True),
-    "sampling_param_seed": ("TYPE_UINT64", [1], True),
     "sampling_param_stop": ("TYPE_STRING", [-1], True),
+    "sampling_param_seed": ("TYPE_UINT64", [1], True),
+    "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1], True),
+    "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1], True),
+    "sampling_param_logits_post_processor_name": ("TYPE_STRING", [1], True),
+    "return_finish_reason": ("TYPE_BOOL", [1], True),
+    "return_stop_reason": ("TYPE_BOOL", [1], True),
+    "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
     "stop": ("TYPE_BOOL", [1], True),
+    "lora_id": ("TYPE_UINT64", [1], True),
+    "lora_name": ("TYPE_STRING", [1], True),
+    "lora_path": ("TYPE_STRING", [1], True),
+    "lora_ckpt_source": ("TYPE_STRING", [1], True),
 }
 UPSTREAM_OUTPUTS = {
     "text_output": ("TYPE_STRING", [-1]),
     "finish_reason": ("TYPE_STRING", [-1]),
+    "stop_reason": ("TYPE_STRING", [-1]),
+    "cumulative_logprob": ("TYPE_FP32", [-1]),
+    "kv_cache_reused_block": ("TYPE_INT32", [-1]),
+    "kv_cache_hit_rate": ("TYPE_FP32", [-1]),
+    "kv_cache_alloc_new_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_alloc_total_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_missed_block": ("TYPE_INT32", [-1]),
+    "arrival_time_ns": ("TYPE_INT64", [1]),
+    "first_scheduled_time_ns": ("TYPE_INT64", [1]),
+    "first_token_time_ns": ("TYPE_INT64", [1]),
+    "last_token_time_ns": ("TYPE_INT64", [1]),
     "acceptance_rate": ("TYPE_FP32", [1]),
     "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
     "total_draft_tokens": ("TYPE_INT32", [1]),
@@ -56,9 +82,11 @@ def test_config_pbtxt_is_a_valid_triton_config_with_the_upstream_tensors(ckpt, t
     from google.protobuf import text_format
 
     assert write(ckpt, tmp_path / "repo", "--model-name", "m1") == 0
-    cfg = text_format.Parse((tmp_path / "repo/m1/config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    assert cfg.name == "m1" and cfg.backend == "python" and cfg.max_batch_size == 0
-    assert cfg.model_transaction_policy.decoupled
+    text = (tmp_path / "repo/m1/config.pbtxt").read_text()
+    cfg = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert cfg.name == "m1" and cfg.backend == "python"
+    # as upstream: max_batch_size and the transaction policy come from model.yaml (auto_complete_config)
+    assert not cfg.HasField("model_transaction_policy") and "max_batch_size" not in text.split("# ")[-1]
     assert [(g.count, model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind)) for g in cfg.instance_group] == [(1, "KIND_CPU")]
     dtype = model_config_pb2.DataType.Name
     assert {i.name: (dtype(i.data_type), list(i.dims), i.optional) for i in cfg.input} == UPSTREAM_INPUTS
@@ -67,8 +95,13 @@ def test_config_pbtxt_is_a_valid_triton_config_with_the_upstream_tensors(ckpt, t
     spec = TritonSettings.load(spec_path)
     assert Path(spec.target) == ckpt[0].resolve() and Path(spec.drafter) == ckpt[1].resolve()
     assert spec.backend == "torch" and spec.engine.speculative and spec.model_name == "m1"
-    assert "TritonPythonModel" in (tmp_path / "repo/m1/1/model.py").read_text()
-    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["m1"], "no staging folders left behind"
+    assert (spec.triton_config.max_batch_size, spec.triton_config.decoupled) == (0, False)  # unary, as upstream
+    assert yaml.safe_load(spec_path.read_text())["triton_config"] == {
+        "max_batch_size": 0, "decoupled": False, "cancellation_check_period_ms": 100}
+    assert "TritonPythonModel = model_class(" in (tmp_path / "repo/m1/1/model.py").read_text()
+    assert write(ckpt, tmp_path / "repo", "--model-name", "m2", "--decoupled") == 0
+    assert TritonSettings.load(tmp_path / "repo/m2/1/model.yaml").triton_config.decoupled
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["m1", "m2"], "no staging folders left behind"
 
 
 def test_existing_model_needs_force(ckpt, tmp_path):
@@ -105,6 +138,13 @@ def test_config_yaml_errors_are_typed(ckpt, tmp_path, capsys):
         TritonSettings(target=str(ckpt[0])).check_paths()
     with pytest.raises(ConfigError, match="backend"):
         TritonSettings.from_dict({"target": "x", "backend": "vllm"}, "spec")
+    with pytest.raises(ConfigError, match="mpi: world .* needs backend: trtllm"):
+        TritonSettings.from_dict({"target": "x", "mpi": "world"}, "spec")
+    with pytest.raises(ConfigError, match="triton_config.max_batch_size"):
+        TritonSettings.from_dict({"target": "x", "triton_config": {"max_batch_size": 8}}, "spec")
+    with pytest.raises(ConfigError, match="unknown key 'attention_backend'"):
+        TritonSettings.from_dict({"target": "x", "backend": "trtllm", "trtllm_llm_args": {"attention_backend": "X"}},
+                                 "spec")
 
 
 def _text(s) -> np.ndarray:
@@ -126,6 +166,14 @@ def _text(s) -> np.ndarray:
     ({"text_input": _text("hi"), "sampling_param_stop": np.array([b""], dtype=np.object_)}, "stop strings"),
     ({"text_input": _text("hi"), "streaming": np.array([1], dtype=np.int32)}, "TYPE_BOOL"),
     ({"text_input": _text("hi"), "bogus": np.array([1])}, "unknown input"),
+    # upstream inputs this model cannot honour: one line each saying why
+    ({"text_input": _text("hi"), "sampling_param_best_of": np.array([2], dtype=np.int32)}, "best_of is 2"),
+    ({"text_input": _text("hi"), "sampling_param_presence_penalty": np.array([0.5], dtype=np.float32)}, "penalties"),
+    ({"text_input": _text("hi"), "sampling_param_frequency_penalty": np.array([-1], dtype=np.float32)}, "penalties"),
+    ({"text_input": _text("hi"), "return_cumulative_logprob": np.array([True])}, "no log-probabilities"),
+    ({"text_input": _text("hi"), "lora_id": np.array([3], dtype=np.uint64)}, "LoRA"),
+    ({"text_input": _text("hi"), "image_url": np.array([b"http://x/cat.png"], dtype=np.object_)}, "text-only"),
+    ({"text_input": _text("hi"), "sampling_param_logits_post_processor_name": _text("p")}, "post-processors"),
 ])
 def test_parse_request_rejects_bad_tensors(inputs, message):
     with pytest.raises(InputError, match=message):
@@ -140,13 +188,26 @@ def test_parse_request_reads_every_tensor():
         "sampling_param_max_tokens": np.array([12], dtype=np.int32),
         "sampling_param_seed": np.array([2**64 - 1], dtype=np.uint64),
         "sampling_param_stop": np.array([b"\n\n", b"END"], dtype=np.object_),
+        # upstream inputs at their neutral values are accepted
+        "sampling_param_best_of": np.array([1], dtype=np.int32),
+        "sampling_param_frequency_penalty": np.array([0], dtype=np.float32),
+        "sampling_param_presence_penalty": np.array([0], dtype=np.float32),
+        "sampling_param_logits_post_processor_name": _text(""), "image_url": np.array([b""], dtype=np.object_),
+        "return_cumulative_logprob": np.array([False]),
+        "sampling_param_exclude_input_from_output": np.array([True]),
+        "sampling_param_return_perf_metrics": np.array([True]),
+        "return_finish_reason": np.array([True]), "return_stop_reason": np.array([True]),
     }, default_max_tokens=16)
     assert parsed.prompt == "héllo" and parsed.streaming and not parsed.stop
     p = parsed.params
     assert (p.temperature, p.top_k, p.max_new_tokens, p.seed, p.stop) == (0.5, 7, 12, 2**64 - 1, ("\n\n", "END"))
     assert p.top_p == pytest.approx(0.9)
+    assert parsed.exclude_input_from_output and parsed.return_perf_metrics
+    assert parsed.return_finish_reason and parsed.return_stop_reason
     defaults = parse_request({"text_input": _text("x")}, default_max_tokens=16)
     assert (defaults.params.greedy, defaults.params.max_new_tokens, defaults.streaming) == (True, 16, False)
+    # upstream's defaults: the prompt is part of the output; no reasons, no metrics unless asked
+    assert not (defaults.exclude_input_from_output or defaults.return_finish_reason or defaults.return_perf_metrics)
     assert parse_request({"stop": np.array([True])}, default_max_tokens=16).stop
 
 
@@ -159,13 +220,24 @@ def test_text_stream_never_splits_a_character():
     assert pieces[1] == "" and pieces[2] == "ñ"  # the first byte of ñ is held back
 
 
-def test_final_outputs_and_acceptance_rate():
-    out = output_arrays("tail", FinalStats("length", total_draft_tokens=30, total_accepted_draft_tokens=12))
-    assert out["text_output"][0] == b"tail" and out["finish_reason"][0] == b"length"
+def test_final_outputs_follow_what_the_request_asks_for():
+    stats = FinalStats("stop", total_draft_tokens=30, total_accepted_draft_tokens=12, stop_reason="END",
+                       arrival_time_ns=10, first_scheduled_time_ns=11, first_token_time_ns=12, last_token_time_ns=13)
+    plain = parse_request({"text_input": _text("x")}, default_max_tokens=4)
+    assert set(output_arrays("all", stats, plain)) == {"text_output"}  # upstream sends only what is asked for
+    asked = parse_request({"text_input": _text("x"), "return_finish_reason": np.array([True]),
+                           "return_stop_reason": np.array([True]),
+                           "sampling_param_return_perf_metrics": np.array([True])}, default_max_tokens=4)
+    out = output_arrays("all", stats, asked)
+    assert out["text_output"][0] == b"all" and out["finish_reason"][0] == b"stop" and out["stop_reason"][0] == b"END"
     assert out["acceptance_rate"].dtype == np.float32 and out["acceptance_rate"][0] == pytest.approx(0.4)
     assert out["total_draft_tokens"].dtype == np.int32 and out["total_accepted_draft_tokens"][0] == 12
-    assert set(output_arrays("chunk", None)) == {"text_output"}
-    assert FinalStats("stop", 0, 0).acceptance_rate == 0.0
+    assert out["arrival_time_ns"].dtype == np.int64 and out["last_token_time_ns"][0] == 13  # the declared dtypes
+    assert "cumulative_logprob" not in out and not any(k.startswith("kv_cache") for k in out)
+    no_stop = output_arrays("", FinalStats("length", 0, 0), asked)
+    assert no_stop["stop_reason"][0] == b"None" and no_stop["acceptance_rate"][0] == 0.0  # str(None), as upstream
+    assert set(output_arrays("chunk", None, asked)) == {"text_output"}
+    assert matched_stop("a END b STOP", ("STOP", "END")) == "END" and matched_stop("abc", ("x",)) is None
 
 
 def test_launcher_checks(tmp_path):

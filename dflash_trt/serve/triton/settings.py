@@ -1,8 +1,12 @@
 """The Triton model's settings: `model.yaml` next to `model.py` in the model repository.
 
 `dflash-trt triton-repo` writes it (resolved: absolute paths, every field explicit); the Python
-backend model reads it in `initialize()`. The same schema is accepted by `triton-repo --config`,
-where relative paths are taken from the YAML file's folder.
+backend model reads it in `auto_complete_config()` and `initialize()`. The same schema is accepted
+by `triton-repo --config`, where relative paths are taken from the YAML file's folder. As in
+TensorRT-LLM's LLM-API model (triton_backend/all_models/llmapi/tensorrt_llm/1/model.yaml
+@0ebb1536ac12bbe27201185de960df3ab00bcecc), `triton_config` holds what Triton itself needs:
+`max_batch_size: 0` (one prompt per request; requests are batched by our scheduler, not by
+Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` streams.
 
     model_name: dflash
     backend: torch            # torch: our runtime; trtllm: TensorRT-LLM's LLM API (GPU machines)
@@ -16,6 +20,9 @@ where relative paths are taken from the YAML file's folder.
     engine: {block_size: null, max_batch_size: 8, max_seq_len: 2048, speculative: true, acceptance: exact}
     scheduler: {max_queue: 256, token_budget: 4096}
     trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
+    mpi: spawn                # backend trtllm: spawn (one tritonserver, TensorRT-LLM spawns its TP workers)
+                              # or world (tritonserver on every MPI rank; rank 0 leads, the others serve it)
+    triton_config: {max_batch_size: 0, decoupled: false, cancellation_check_period_ms: 100}
 """
 from __future__ import annotations
 
@@ -52,6 +59,12 @@ class SchedulerSection(_Strict):
     token_budget: int = Field(default=4096, ge=1)
 
 
+class TritonConfigSection(_Strict):
+    max_batch_size: Literal[0] = 0  # Triton does not batch here (upstream's model: batching is not supported)
+    decoupled: bool = False  # False: one response per request (unary); True: streaming responses
+    cancellation_check_period_ms: int = Field(default=100, ge=1, le=60_000)
+
+
 class TritonSettings(_Strict):
     model_name: str = Field(default="dflash", pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
     backend: Literal["torch", "trtllm"] = "torch"
@@ -65,6 +78,8 @@ class TritonSettings(_Strict):
     engine: EngineSection = EngineSection()
     scheduler: SchedulerSection = SchedulerSection()
     trtllm_llm_args: dict[str, Any] = Field(default_factory=dict)
+    mpi: Literal["spawn", "world"] = "spawn"
+    triton_config: TritonConfigSection = TritonConfigSection()
 
     # ---- views the runtime uses ---------------------------------------------------------------
     def load_config(self) -> LoadConfig:
@@ -77,15 +92,25 @@ class TritonSettings(_Strict):
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.scheduler.model_dump())
 
-    def trtllm_options(self):
-        """runtime.trtllm.TrtllmOptions for backend trtllm (None for torch, which takes no LLM arguments)."""
+    def trtllm_options(self, mpi_session: object | None = None):
+        """runtime.factory.TrtllmOptions for backend trtllm (None for torch, which takes no LLM arguments);
+        `mpi_session`: the leader's session over the MPI world (mpi: world)."""
         if self.backend != "trtllm":
-            if self.trtllm_llm_args:
-                raise ConfigError("trtllm_llm_args is set but backend is torch: remove it or set backend: trtllm")
             return None
         from dflash_trt.runtime.factory import TrtllmOptions
 
-        return TrtllmOptions(llm_args=dict(self.trtllm_llm_args))
+        return TrtllmOptions(llm_args=dict(self.trtllm_llm_args), mpi_session=mpi_session)
+
+    def check_backend_options(self) -> None:
+        if self.backend != "trtllm" and self.trtllm_llm_args:
+            raise ConfigError("trtllm_llm_args is set but backend is torch: remove it or set backend: trtllm")
+        if self.backend != "trtllm" and self.mpi != "spawn":
+            raise ConfigError("mpi: world runs TensorRT-LLM over an MPI world and needs backend: trtllm "
+                              "(the torch backend's tensor parallelism is `dflash-trt serve --tp`)")
+        if self.trtllm_llm_args:
+            from dflash_trt.trtllm_release import pinned
+
+            pinned().check(self.trtllm_llm_args, "trtllm_llm_args")
 
     # ---- checks and I/O -------------------------------------------------------------------------
     def resolved(self, base: Path) -> "TritonSettings":
@@ -115,7 +140,9 @@ class TritonSettings(_Strict):
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "TritonSettings":
-        return validate_model(cls, raw, where)
+        settings = validate_model(cls, raw, where)
+        settings.check_backend_options()
+        return settings
 
     @classmethod
     def load(cls, path: Path) -> "TritonSettings":
