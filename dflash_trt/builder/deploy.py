@@ -7,8 +7,9 @@ launch/ holds only the launchers that fit the build's platform:
 - TensorRT-LLM backends: `env.sh` (every value the job scripts need: container image, layout),
   `serve.sh` (trtllm-serve spawns its own workers), `mpirun.sh` (one node, all ranks),
   `srun.sh` (the srun line, inside a Slurm allocation), and on DGX B300 (sm_103) the Slurm job
-  scripts from docker/slurm/ that match the node count (single node or multi node; Triton when the
-  build has triton/), which read env.sh. A built directory can be copied to the cluster as is.
+  scripts from docker/slurm/ that match the node count (single node or multi node; Triton, with
+  its per-task triton_rank.sh, when the build has triton/), which read env.sh. A built directory
+  can be copied to the cluster as is.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def slurm_scripts(plan: BuildPlan) -> list[str]:
     if cfg.backend == "torch" or cfg.gpu_arch != "sm_103":
         return []
     names = ["common.sh", "dgx-b300_tp8_single_node.sh" if cfg.parallel.nodes == 1 else "dgx-b300_multi_node.sh"]
-    return names + (["dgx-b300_triton.sh"] if cfg.serve.triton else [])
+    return names + (["dgx-b300_triton.sh", "triton_rank.sh"] if cfg.serve.triton else [])
 
 
 def write_launch(plan: BuildPlan, tmp: Path) -> dict:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared by the DGX B300 job scripts: load a built directory's launch/env.sh, check the Slurm
-# allocation against the build's parallel layout, and wait for an HTTP health endpoint.
+# allocation against the build's parallel layout, check that a container image holds the pinned
+# TensorRT-LLM release, and wait for an HTTP health endpoint.
 # Usage (sourced): DFLASH_BUILD_DIR=/path/to/build source common.sh
 
 dflash_load_env() {
@@ -25,6 +26,18 @@ dflash_check_ranks() {
   fi
   if [[ "${SLURM_JOB_NUM_NODES:-1}" -ne "${DFLASH_NODES}" ]]; then
     echo "error: the job has ${SLURM_JOB_NUM_NODES:-1} node(s), the build was planned for ${DFLASH_NODES}" >&2
+    exit 2
+  fi
+}
+
+# dflash_check_trtllm_version IMAGE: the image's tensorrt_llm must be the release the build's
+# LLM-API options were checked against (DFLASH_TRTLLM_VERSION, from dflash_trt's pinned data file).
+dflash_check_trtllm_version() {
+  local image="$1" found
+  found="$(srun --ntasks=1 --nodes=1 --container-image="${image}" \
+    python3 -c 'import tensorrt_llm; print(tensorrt_llm.__version__)' 2>/dev/null | tail -n 1 || true)"
+  if [[ "${found}" != "${DFLASH_TRTLLM_VERSION}" ]]; then
+    echo "error: ${image} has tensorrt_llm '${found:-none}', the build was checked against ${DFLASH_TRTLLM_VERSION}: use the pinned image" >&2
     exit 2
   fi
 }

@@ -15,6 +15,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/common.sh"
 dflash_load_env
 dflash_check_ranks
+dflash_check_trtllm_version "${DFLASH_CONTAINER_IMAGE}"
 
 head_node="$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)"
 srun --mpi=pmix \

@@ -14,6 +14,7 @@ SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${SCRIPT_DIR}/common.sh"
 dflash_load_env
 dflash_check_ranks
+dflash_check_trtllm_version "${DFLASH_CONTAINER_IMAGE}"
 
 srun --mpi=pmix \
   --ntasks="${DFLASH_RANKS}" --ntasks-per-node="${DFLASH_GPUS_PER_NODE}" \

@@ -226,3 +226,16 @@ def test_trtllm_backend_without_tensorrt_llm_is_one_line_exit_2(command, capsys,
     assert len(err) == 1 and "the trtllm backend needs TensorRT-LLM" in err[0] and "--backend torch" in err[0]
     with pytest.raises(BackendUnavailableError):
         load_backend("trtllm", LoadConfig(tmp_path, None))
+
+
+def test_an_mpi_session_reaches_the_llm(ckpt):
+    """The Triton model's `mpi: world` leader hands its MpiCommSession to TensorRT-LLM as `_mpi_session`
+    (as upstream's LLM-API Triton model does); without one the LLM spawns its own workers."""
+    session = object()
+    load = LoadConfig(ckpt[0], ckpt[1], dtype="float64")
+    engine = load_trtllm(load, TrtllmOptions(mpi_session=session), api=FAKE_API).engine(EngineConfig(max_seq_len=MAX_SEQ))
+    assert FakeLLM.made[-1].kwargs["_mpi_session"] is session
+    engine.shutdown()
+    engine = load_trtllm(load, TrtllmOptions(), api=FAKE_API).engine(EngineConfig(max_seq_len=MAX_SEQ))
+    assert "_mpi_session" not in FakeLLM.made[-1].kwargs
+    engine.shutdown()
