@@ -137,6 +137,34 @@ def check_backend(backend: str) -> None:
         import_tensorrt_llm()
 
 
+@dataclass(frozen=True)
+class MpiRole:
+    """Where this process stands for a trtllm model over MPI (runtime.trtllm, as TensorRT-LLM's
+    LLM-API Triton model): `leads` is False on a rank that served the leader and is done."""
+
+    leads: bool
+    session: object | None  # the leader's MpiCommSession (mpi: world, rank 0), else None
+    note: str
+
+
+def join_trtllm_mpi(mode: str, environ) -> MpiRole:
+    """mode "spawn": drop the MPI job variables this process inherited (TensorRT-LLM spawns its own
+    workers); "world": rank 0 of COMM_WORLD leads with an MpiCommSession, every other rank serves it
+    until it shuts down (this call returns then)."""
+    from dflash_trt.runtime import trtllm
+
+    if mode == "spawn":
+        gone = trtllm.drop_inherited_mpi_job(environ)
+        return MpiRole(True, None, f"dropped inherited MPI job variables {gone}" if gone else "")
+    if mode != "world":
+        raise ConfigError(f"mpi must be spawn or world, got '{mode}'")
+    rank, size = trtllm.mpi_world()
+    if rank != 0:
+        trtllm.serve_mpi_leader()
+        return MpiRole(False, None, f"MPI rank {rank} of {size} served the leader")
+    return MpiRole(True, trtllm.leader_mpi_session(size), f"MPI rank 0 leads {size} ranks")
+
+
 def load_backend(backend: str, load: LoadConfig, trtllm_options: TrtllmOptions | None = None):
     """The loaded backend (TorchModels, or runtime.trtllm.TrtllmModels); `trtllm_options` only for
     trtllm (None: its defaults)."""
@@ -150,5 +178,5 @@ def load_backend(backend: str, load: LoadConfig, trtllm_options: TrtllmOptions |
     return load_trtllm(load, trtllm_options if trtllm_options is not None else TrtllmOptions())
 
 
-__all__ = ["BACKENDS", "LoadConfig", "TorchModels", "TrtllmOptions", "check_backend", "load_backend", "load_tokenizer", "load_torch",
+__all__ = ["BACKENDS", "LoadConfig", "MpiRole", "join_trtllm_mpi", "TorchModels", "TrtllmOptions", "check_backend", "load_backend", "load_tokenizer", "load_torch",
            "torch_engine"]

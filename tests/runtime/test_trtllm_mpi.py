@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trt.runtime.factory import join_trtllm_mpi
 from dflash_trt.runtime.trtllm import MPI_JOB_ENV, drop_inherited_mpi_job
 
 BIN = Path(sys.executable).parent
@@ -27,13 +28,17 @@ def test_inherited_mpi_job_variables_are_dropped_and_config_kept():
                            "OMPI_MCA_orte_hnp_uri", "ORTE_SOMETHING"])
     assert env == {"OMPI_MCA_btl": "^openib", "PMIX_MCA_gds": "hash", "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0"}
     assert "OMPI_COMM_WORLD_LOCAL_RANK" in MPI_JOB_ENV and "PMIX_NAMESPACE" in MPI_JOB_ENV
+    env = {"PMI_RANK": "0", "PATH": "/bin"}
+    role = join_trtllm_mpi("spawn", env)  # what the Triton model does in one process
+    assert role.leads and role.session is None and env == {"PATH": "/bin"} and "PMI_RANK" in role.note
 
 
 SCRIPT = textwrap.dedent('''
     import os
     from mpi4py import MPI
     from mpi4py.futures import MPICommExecutor
-    from dflash_trt.runtime.trtllm import mpi_world, serve_mpi_leader
+    from dflash_trt.runtime.factory import join_trtllm_mpi
+    from dflash_trt.runtime.trtllm import mpi_world
 
     rank, size = mpi_world()
     if rank == 0:  # the leader: what TensorRT-LLM's MpiCommSession does with COMM_WORLD
@@ -41,8 +46,8 @@ SCRIPT = textwrap.dedent('''
             ranks = sorted(set(int(r) for r in executor.map(os.getenv, ['OMPI_COMM_WORLD_RANK'] * 8)))
         print("LEADER", size, ranks, flush=True)
     else:
-        serve_mpi_leader()  # blocks until the leader closes its executor
-        print("WORKER", rank, "returned", flush=True)
+        role = join_trtllm_mpi("world", os.environ)  # serves until the leader closes its executor
+        print("WORKER", rank, "returned", role.leads, role.session, flush=True)
 ''')
 
 
@@ -57,4 +62,4 @@ def test_non_leader_ranks_serve_the_leader_until_it_shuts_down(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert "LEADER 3 [1, 2]" in lines, proc.stdout  # every task ran on a worker rank
-    assert {"WORKER 1 returned", "WORKER 2 returned"} <= set(lines)
+    assert {"WORKER 1 returned False None", "WORKER 2 returned False None"} <= set(lines)

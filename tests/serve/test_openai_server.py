@@ -87,7 +87,7 @@ def test_cli_server_and_triton_encode_a_chat_prompt_to_the_same_ids(client, serv
                                          "engine": {"max_batch_size": 1, "max_seq_len": 64}}, "test")
     triton = ModelBackend(settings)
     try:
-        triton_ids = triton.submit(text, SamplingParams(max_new_tokens=1), None).sequence.prompt
+        triton_ids = triton.submit(triton.encode(text), SamplingParams(max_new_tokens=1), None).sequence.prompt
     finally:
         triton.shutdown()
     assert cli_ids == resp.model_extra["prompt_token_ids"] == triton_ids

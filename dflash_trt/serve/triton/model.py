@@ -35,7 +35,7 @@ from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, QueueFullError,
 from dflash_trt.serve.text import TextStream
 from dflash_trt.serve.triton.backends import ModelBackend, final_stats
 from dflash_trt.serve.triton.protocol import ParsedRequest, matched_stop, output_arrays, parse_request
-from dflash_trt.serve.triton.repo import YAML_PARAMETER, settings_path
+from dflash_trt.serve.triton.repo import settings_path
 from dflash_trt.serve.triton.settings import TritonSettings
 
 JOIN_S = 10.0
@@ -79,8 +79,6 @@ class TritonPythonModel:
 
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        if YAML_PARAMETER not in config["parameters"]:
-            raise ConfigError(f"config.pbtxt lacks the parameter '{YAML_PARAMETER}' (the model settings YAML)")
         self.settings = TritonSettings.load(settings_path(Path(args["model_repository"]), config["parameters"]))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         if self.decoupled != self.settings.triton_config.decoupled:
@@ -102,19 +100,12 @@ class TritonPythonModel:
         """Backend trtllm: the leader's MPI session (mpi: world, rank 0), or None."""
         if self.settings.backend != "trtllm":
             return None
-        from dflash_trt.runtime import trtllm
+        from dflash_trt.runtime.factory import join_trtllm_mpi
 
-        if self.settings.mpi == "spawn":
-            gone = trtllm.drop_inherited_mpi_job(os.environ)
-            if gone:
-                pb_utils.Logger.log_info(f"dflash: dropped inherited MPI job variables {gone}")
-            return None
-        rank, size = trtllm.mpi_world()
-        if rank != 0:
-            pb_utils.Logger.log_info(f"dflash: MPI rank {rank} of {size} serves the leader")
-            trtllm.serve_mpi_leader()
-            return None
-        return trtllm.leader_mpi_session(size)
+        role = join_trtllm_mpi(self.settings.mpi, os.environ)
+        if role.note:
+            pb_utils.Logger.log_info(f"dflash: {role.note}")
+        return role.session
 
     def execute(self, requests) -> None:
         for request in requests:
