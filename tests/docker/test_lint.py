@@ -90,7 +90,7 @@ def test_generated_env_names_the_pinned_images(tmp_path):
     from dflash_trt.builder.sources import Sources
     from dflash_trt.trtllm_release import pinned
 
-    cfg = load_build_config(ROOT / "build_configs" / "gpt-oss-120b_dgx-b300_tp8_nvfp4.yaml")
+    cfg = load_build_config(ROOT / "build_configs" / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml")
     write_launch(make_plan(cfg, tmp_path / "out", Sources(Path("/t"), Path("/d"), False, False, None, None)), tmp_path)
     env = (tmp_path / "launch" / "env.sh").read_text()
     assert f"export DFLASH_TRTLLM_VERSION={pinned().version}" in env
