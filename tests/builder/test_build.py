@@ -235,7 +235,13 @@ def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_pa
         assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"BF16"}
     assert json.loads((out / "drafter" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in (out / "launch").iterdir()) == [
-        "common.sh", "dgx-b300_tp8_single_node.sh", "dgx-b300_triton.sh", "env.sh", "mpirun.sh", "serve.sh", "srun.sh"]
+        "common.sh", "dgx-b300_tp8_single_node.sh", "dgx-b300_triton.sh", "env.sh", "mpirun.sh", "serve.sh", "srun.sh",
+        "triton_rank.sh"]
+    (model_yaml,) = (out / "triton").glob("*/1/model.yaml")  # one node: one tritonserver, TensorRT-LLM spawns workers
+    triton = yaml.safe_load(model_yaml.read_text())
+    assert triton["mpi"] == "spawn" and triton["triton_config"] == {"max_batch_size": 0, "decoupled": False,
+                                                                    "cancellation_check_period_ms": 100}
+    assert triton["trtllm_llm_args"]["speculative_config"]["attention_backend"] == "TRTLLM"  # B300: SM103
     groups = json.loads((out / "manifest.json").read_text())["tensor_groups"]
     assert {g["group"]: g["output"] for g in groups["drafter"]["groups"]}["fc"] == "BF16 (cast from FP32)"
     absent = Sources(tiny / "target", drafter_dir, False, False, None, None)
