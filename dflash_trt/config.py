@@ -187,7 +187,7 @@ class DrafterConfig:
 
     @classmethod
     def load(cls, directory: Path) -> "DrafterConfig":
-        path = Path(directory) / "config.json"
+        path = require_dir(directory, "drafter directory") / "config.json"
         if not path.is_file():
             raise CheckpointError(f"no config.json in drafter directory {directory}")
         try:
@@ -211,14 +211,37 @@ class TargetInfo:
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    num_key_value_heads: int
+    head_dim: int
 
     @classmethod
     def from_hf_config(cls, config) -> "TargetInfo":
-        """From a transformers config (eos_token_id may be an int, a list, or absent)."""
+        """From a transformers config (eos_token_id may be an int, a list, or absent). Multi-head
+        attention configs (GPT-2 style, wrapped by the HF adapter) have no num_key_value_heads (one KV
+        head per attention head) and older ones no head_dim (hidden_size // heads): transformers'
+        own conventions for those optional fields."""
         eos = config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size,
-                   config.max_position_embeddings, eos_ids)
+                   config.max_position_embeddings, eos_ids, kv_heads, head_dim)
+
+    def kv_bytes_per_position(self, itemsize: int) -> int:
+        """Bytes of K and V one sequence position takes in a dense cache over every layer."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+
+def check_block_size(block_size: int, drafter_block_size: int, drafter: str) -> None:
+    """THE block-size rule of every command and backend (TensorRT-LLM's too: max_draft_len + 1 <= the
+    drafter's block_size): a block may be smaller than the one the drafter was trained for, never larger
+    (slots past its trained block get no useful drafts). `drafter` names it in the message."""
+    if block_size > drafter_block_size:
+        raise ConfigError(f"block size {block_size} (max_draft_len {block_size - 1}) exceeds the block size "
+                          f"{drafter_block_size} the drafter {drafter} was trained for (max_draft_len + 1 must not "
+                          f"exceed it, as in TensorRT-LLM): lower max_draft_len to at most {drafter_block_size - 1} "
+                          f"(--block-size to at most {drafter_block_size}), or leave it unset for the drafter's own")
 
 
 def check_drafter_matches_target(drafter: DrafterConfig, target: TargetInfo) -> None:
@@ -238,6 +261,17 @@ def check_drafter_matches_target(drafter: DrafterConfig, target: TargetInfo) -> 
         raise ConfigError(
             f"mask_token_id {drafter.mask_token_id} is outside the target vocabulary (size {target.vocab_size})"
         )
+
+
+def require_dir(path: Path, what: str) -> Path:
+    """`path` when it is a directory; CheckpointError "<what> <path> does not exist" or "... is not a
+    directory" (e.g. a file given where a checkpoint directory belongs) otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        if path.exists():
+            raise CheckpointError(f"{what} {path} is not a directory (it is a file): pass the checkpoint's directory")
+        raise CheckpointError(f"{what} {path} does not exist")
+    return path
 
 
 def load_yaml_file(path: Path, what: str) -> Any:

@@ -18,18 +18,26 @@ commits accepted + 1 tokens; tau = mean of (accepted + 1) over steps.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence as Seq, runtime_checkable
 
-from dflash_trt.config import TargetInfo
+from dflash_trt.config import TargetInfo, check_block_size
 from dflash_trt.errors import ConfigError, ContextLengthError, InputError
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 ACCEPTANCE_MODES = ("exact", "rejection")
+# The default max_seq_len is the target's context, capped so that the target's dense KV cache for
+# max_batch_size rows fits this budget (TensorRT-LLM likewise lowers max_seq_len to what its KV cache
+# holds); an explicit max_seq_len is taken as given, up to the target's context.
+KV_CACHE_BUDGET_BYTES = 1 << 30
+MAX_SEQ_LEN_STEP = 256  # a capped default is a multiple of this, and at least this (or the context)
 FinishReason = Literal["stop", "length", "cancelled"]
 
 
@@ -76,7 +84,7 @@ class EngineConfig:
 
     block_size: int | None = None  # None = the drafter's; 1 or speculative=False = autoregressive
     max_batch_size: int = 8
-    max_seq_len: int = 2048  # prompt + generated tokens per sequence
+    max_seq_len: int | None = None  # prompt + generated tokens per sequence; None = default_max_seq_len
     speculative: bool = True  # False: plain autoregressive decoding on the same engine
     acceptance: str = "exact"  # "exact" (one-hot q) or "rejection" (drafter's soft q)
     # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block
@@ -89,12 +97,39 @@ class EngineConfig:
             raise ConfigError(f"block_size must be in [1, 64], got {self.block_size}")
         if self.max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_seq_len < 2:
+        if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise ConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+
+    def for_models(self, info: TargetInfo, drafter_block_size: int | None, kv_itemsize: int) -> "EngineConfig":
+        """This config checked against the loaded models, with max_seq_len filled in (the rules every
+        backend applies before it builds an engine): an explicit max_seq_len must fit the target's
+        context, and a block size may not exceed the drafter's trained block (check_block_size).
+        `kv_itemsize`: bytes per KV-cache element (the default max_seq_len's memory budget)."""
+        if self.speculative and drafter_block_size is not None and self.block_size is not None:
+            check_block_size(self.block_size, drafter_block_size, "in use")
+        context = info.max_position_embeddings
+        if self.max_seq_len is None:
+            seq_len = default_max_seq_len(info, self.max_batch_size, kv_itemsize)
+            log.info("max_seq_len %d (the target's context is %d positions%s)", seq_len, context,
+                     "" if seq_len == context else f"; capped so {self.max_batch_size} rows of KV cache fit "
+                     f"{KV_CACHE_BUDGET_BYTES >> 20} MiB: set max_seq_len for more")
+            return replace(self, max_seq_len=seq_len)
+        if self.max_seq_len > context:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the target's context ({context} positions): "
+                              f"set --max-seq-len (max_seq_len) to at most {context}, or leave it unset for the "
+                              "target's own context")
+        return self
+
+
+def default_max_seq_len(info: TargetInfo, max_batch_size: int, kv_itemsize: int) -> int:
+    """The target's context, capped so that a dense KV cache of `max_batch_size` rows stays within
+    KV_CACHE_BUDGET_BYTES (a capped value is a multiple of MAX_SEQ_LEN_STEP and at least one step)."""
+    fit = KV_CACHE_BUDGET_BYTES // (max_batch_size * info.kv_bytes_per_position(kv_itemsize))
+    return min(info.max_position_embeddings, max(fit // MAX_SEQ_LEN_STEP * MAX_SEQ_LEN_STEP, MAX_SEQ_LEN_STEP))
 
 
 @dataclass(frozen=True)

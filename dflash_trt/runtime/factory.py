@@ -19,9 +19,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from dflash_trt.config import TargetInfo, check_drafter_matches_target
+from dflash_trt.config import TargetInfo, check_drafter_matches_target, require_dir
 from dflash_trt.engine import Engine, EngineConfig, Target
-from dflash_trt.errors import CheckpointError, ConfigError
+from dflash_trt.errors import ConfigError
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import TARGET_BACKENDS, load_target
 from dflash_trt.speculative.decoder import DFlashEngine
@@ -89,6 +89,9 @@ class TorchModels:
         return self.target.info
 
     def engine(self, config: EngineConfig) -> Engine:
+        """The engine for `config`, checked against these models first (EngineConfig.for_models)."""
+        config = config.for_models(self.info, None if self.drafter is None else self.drafter.block_size,
+                                   DTYPES[self.load.dtype].itemsize)
         return torch_engine(self.target, self.drafter, config, self.detokenize if self.tokenizer is not None else None)
 
     def detokenize(self, ids: list[int]) -> str:
@@ -102,8 +105,9 @@ class TorchModels:
 
 def load_torch(load: LoadConfig) -> TorchModels:
     """Target (native, HF adapter, or a ModelOpt-quantized directory emulated on CPU), drafter, tokenizer."""
-    if not Path(load.target).is_dir():
-        raise CheckpointError(f"target directory {load.target} does not exist")
+    require_dir(load.target, "target directory")
+    if load.drafter is not None:
+        require_dir(load.drafter, "drafter directory")
     dtype: torch.dtype = DTYPES[load.dtype]
     from dflash_trt.checkpoint import modelopt_hf
 
@@ -116,8 +120,6 @@ def load_torch(load: LoadConfig) -> TorchModels:
         target = load_target(Path(load.target), load.target_backend, dtype)
     drafter = None
     if load.drafter is not None:
-        if not Path(load.drafter).is_dir():
-            raise CheckpointError(f"drafter directory {load.drafter} does not exist")
         if modelopt_hf.is_modelopt_dir(Path(load.drafter)):
             drafter = modelopt_hf.load_drafter(Path(load.drafter), dtype)
         else:

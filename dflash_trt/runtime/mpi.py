@@ -35,6 +35,7 @@ from dflash_trt.checkpoint.mapping import Mapping
 from dflash_trt.errors import BackendUnavailableError, ConfigError, DFlashError
 from dflash_trt.runtime.tp import TPContext
 from dflash_trt.engine import EngineConfig, Sequence, StepOutput
+from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.runtime.factory import LoadConfig, TorchModels, load_tokenizer
 from dflash_trt.speculative.decoder import DFlashEngine
 
@@ -53,6 +54,7 @@ class TPConfig:
             raise ConfigError(f"TP timeout must be > 0 s, got {self.timeout_s}")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"TP device must be 'cpu' or 'cuda', got '{self.device}'")
+        Mapping(self.tp_size, self.moe_tp_size)  # its own checks: tp_size >= 1, moe_tp_size divides it
 
     @property
     def mapping(self) -> Mapping:
@@ -195,9 +197,7 @@ class TPSession:
 
     def load(self, load: LoadConfig, mapping: Mapping | None = None) -> TorchModels:
         """This rank's models: the target's shard, the drafter replicated, the tokenizer."""
-        from dflash_trt.config import check_drafter_matches_target
-        from dflash_trt.errors import CheckpointError
-        from dflash_trt.models.drafter import DTYPES, DFlashDrafter
+        from dflash_trt.config import check_drafter_matches_target, require_dir
         from dflash_trt.runtime.tp import load_tp_target
 
         if load.target_backend != "native":
@@ -210,8 +210,7 @@ class TPSession:
         target = load_tp_target(load.target, self.ctx, dtype, self.device)
         drafter = None
         if load.drafter is not None:
-            if not load.drafter.is_dir():
-                raise CheckpointError(f"drafter directory {load.drafter} does not exist")
+            require_dir(load.drafter, "drafter directory")
             drafter = DFlashDrafter.from_pretrained(load.drafter, dtype).to(self.device)
             check_drafter_matches_target(drafter.cfg, target.info)
         tokenizer = load_tokenizer(load.target)  # every rank: stop strings are checked everywhere
@@ -314,8 +313,10 @@ def tp_main(config: TPConfig, make_load: Callable[[], LoadConfig], engine_config
     with session:
         load = world.comm.bcast(make_load() if session.is_leader else None, root=0)
         models = session.load(load)
-        engine = session.make_engine(models.target, models.drafter if engine_config.speculative else None,
-                                     engine_config, models.detokenize)
+        drafter = models.drafter if engine_config.speculative else None
+        config = engine_config.for_models(models.info, None if drafter is None else drafter.block_size,
+                                          DTYPES[load.dtype].itemsize)
+        engine = session.make_engine(models.target, drafter, config, models.detokenize)
         if session.is_leader:
             code = lead(models, engine)
             session.stop_followers(0)

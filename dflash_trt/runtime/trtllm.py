@@ -63,6 +63,7 @@ MPI_JOB_ENV = frozenset({
 MPI_JOB_ENV_PREFIXES = ("OMPI_MCA_orte_", "ORTE_")
 TRTLLM_ATTENTION_SM = ((10, 0), (10, 3))  # DFlash attention_backend TRTLLM: Blackwell B200/GB200, B300/GB300
 TRTLLM_FINISH = ("stop", "length", "timeout", "cancelled")  # CompletionOutput.finish_reason; passed through
+KV_ITEMSIZE = 2  # bytes per KV element in TensorRT-LLM (bf16/fp16 caches): the default max_seq_len budget
 
 
 def dflash_attention_backend(capability: tuple[int, int], requested: str | None = None) -> str:
@@ -249,15 +250,13 @@ class TrtllmEngine:
 
     def __init__(self, api: TrtllmApi, load: LoadConfig, info: TargetInfo, config: EngineConfig,
                  options: TrtllmOptions, detokenize: Callable[[list[int]], str] | None) -> None:
-        self.api, self.info, self.config, self.detokenize = api, info, config, detokenize
         drafter = DrafterConfig.load(Path(load.drafter)) if config.speculative and load.drafter is not None else None
         if config.speculative and drafter is None and config.block_size not in (None, 1):
             raise ConfigError("speculative decoding needs a drafter (or run with speculative=False)")
+        config = config.for_models(info, None if drafter is None else drafter.block_size, KV_ITEMSIZE)
+        self.api, self.info, self.config, self.detokenize = api, info, config, detokenize
         self.speculative = drafter is not None and config.block_size != 1
         self.block_size = (config.block_size or drafter.block_size) if self.speculative else 1
-        if config.max_seq_len > info.max_position_embeddings:
-            raise ConfigError(f"max_seq_len {config.max_seq_len} exceeds the target's context "
-                              f"({info.max_position_embeddings} positions)")
         base, extra = llm_arguments(load, config, options, (drafter, self.block_size) if self.speculative else None,
                                     api.device_capability())
         log.info("starting tensorrt_llm.LLM with %s + %s", base, extra)

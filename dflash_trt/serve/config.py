@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
-from dflash_trt.config import DrafterConfig, load_yaml_file, validate_model
+from dflash_trt.config import DrafterConfig, check_block_size, load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
 from dflash_trt.trtllm_release import DECODING_TYPE, pinned
 
@@ -195,10 +195,8 @@ def check_against_drafter(over: ServeOverrides, drafter: DrafterConfig, where: s
     if over.target_layer_ids is not None and tuple(over.target_layer_ids) != tuple(drafter.target_layer_ids):
         raise ConfigError(f"speculative_config.target_layer_ids is {list(over.target_layer_ids)} but the drafter "
                           f"at {where} reads layers {list(drafter.target_layer_ids)}: fix the file or drop the key")
-    if over.block_size is not None and over.block_size > drafter.block_size:
-        raise ConfigError(f"speculative_config.max_draft_len is {over.block_size - 1} but the drafter at {where} "
-                          f"has block_size {drafter.block_size}: max_draft_len + 1 must not exceed it (as in "
-                          f"TensorRT-LLM): lower max_draft_len to at most {drafter.block_size - 1}")
+    if over.block_size is not None:
+        check_block_size(over.block_size, drafter.block_size, where)
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,11 @@ def test_bad_checkpoints_raise_checkpoint_errors(tmp_path, target_cfg):
     (src / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         DFlashDrafter.from_pretrained(src)
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match="missing does not exist"):
         DFlashDrafter.from_pretrained(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json"):
+        DFlashDrafter.from_pretrained(tmp_path / "empty")
 
 
 @pytest.mark.parametrize("change,match", [
@@ -164,14 +167,14 @@ def test_bad_configs_raise_config_errors(target_cfg, change, match):
 
 def test_drafter_target_mismatch_errors(target_cfg):
     cfg = DrafterConfig.from_dict(tiny_drafter_config(target_cfg, target_layer_ids=[1, 5]))
-    ok = TargetInfo("qwen3", 6, 64, 256, 1024, (2,))
+    ok = TargetInfo("qwen3", 6, 64, 256, 1024, (2,), 2, 16)
     check_drafter_matches_target(cfg, ok)
     with pytest.raises(ConfigError, match="hidden_size"):
-        check_drafter_matches_target(cfg, TargetInfo("qwen3", 6, 128, 256, 1024, (2,)))
+        check_drafter_matches_target(cfg, TargetInfo("qwen3", 6, 128, 256, 1024, (2,), 2, 16))
     with pytest.raises(ConfigError, match="6-layer target"):
-        check_drafter_matches_target(cfg, TargetInfo("qwen3", 4, 64, 256, 1024, (2,)))
+        check_drafter_matches_target(cfg, TargetInfo("qwen3", 4, 64, 256, 1024, (2,), 2, 16))
     with pytest.raises(ConfigError, match="mask_token_id"):
-        check_drafter_matches_target(cfg, TargetInfo("qwen3", 6, 64, 100, 1024, (2,)))
+        check_drafter_matches_target(cfg, TargetInfo("qwen3", 6, 64, 100, 1024, (2,), 2, 16))
 
 
 def test_feature_width_mismatch_is_an_input_error(target_cfg):

@@ -17,7 +17,7 @@ Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` st
     chat: false               # wrap text_input in the tokenizer's chat template
     default_max_tokens: 128   # when a request has no sampling_param_max_tokens
     torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
-    engine: {block_size: null, max_batch_size: 8, max_seq_len: 2048, speculative: true, acceptance: exact}
+    engine: {block_size: null, max_batch_size: 8, max_seq_len: null, speculative: true, acceptance: exact}
     scheduler: {max_queue: 256, token_budget: 4096}
     trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
     mpi: spawn                # backend trtllm: spawn (one tritonserver, TensorRT-LLM spawns its TP workers)
@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.config import load_yaml_file, validate_model
+from dflash_trt.config import DrafterConfig, check_block_size, load_yaml_file, validate_model
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.factory import LoadConfig
 from dflash_trt.runtime.scheduler import SchedulerConfig
@@ -49,7 +49,7 @@ class _Strict(BaseModel):
 class EngineSection(_Strict):
     block_size: int | None = Field(default=None, ge=1, le=64)
     max_batch_size: int = Field(default=8, ge=1)
-    max_seq_len: int = Field(default=2048, ge=2)
+    max_seq_len: int | None = Field(default=None, ge=2)  # None: the target's context (EngineConfig.for_models)
     speculative: bool = True
     acceptance: Literal["exact", "rejection"] = "exact"
 
@@ -132,7 +132,9 @@ class TritonSettings(_Strict):
             raise ConfigError("engine.speculative is true but no drafter is given: set drafter or engine.speculative: false")
         if self.drafter is not None and not (Path(self.drafter) / "config.json").is_file():
             raise ConfigError(f"drafter directory {self.drafter} has no config.json")
-        self.engine_config()  # EngineConfig's own cross-field checks
+        engine = self.engine_config()  # EngineConfig's own cross-field checks
+        if self.drafter is not None and engine.speculative and engine.block_size is not None:
+            check_block_size(engine.block_size, DrafterConfig.load(Path(self.drafter)).block_size, self.drafter)
 
     def to_yaml(self) -> str:
         header = "# dflash-trt Triton model settings (see dflash_trt/serve/triton/settings.py)\n"
