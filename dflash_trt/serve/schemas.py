@@ -126,15 +126,36 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. Parsing checks the shapes; `check` the rules OpenAI applies per role (every
+    message needs its content, a string or a non-empty array of text parts; a `tool` message answers an
+    assistant's `tool_calls`, which this server does not accept, so it is refused as OpenAI refuses an
+    orphan one)."""
+
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # required (checked in `check`: missing and null differ)
     name: str | None = None
     tool_call_id: str | None = None
 
-    def text(self) -> str:
+    def check(self, index: int) -> None:
+        where = f"messages.{index}"
+        if self.role == "tool":
+            raise bad_request(f"'{where}': a message with role 'tool' must answer a preceding assistant message's "
+                              "tool_calls, and this server does not support tools", f"{where}.role", "invalid_value")
+        if self.tool_call_id is not None:
+            raise bad_request(f"'{where}.tool_call_id' is only allowed on messages with role 'tool'",
+                              f"{where}.tool_call_id", "unknown_parameter")
+        if "content" not in self.model_fields_set:
+            raise bad_request(f"Missing required parameter: '{where}.content'", f"{where}.content",
+                              "missing_required_parameter")
         if self.content is None:
-            return ""
+            raise bad_request(f"'{where}.content' must be a string or an array of text parts, got null",
+                              f"{where}.content", "invalid_type")
+        if isinstance(self.content, list) and not self.content:
+            raise bad_request(f"'{where}.content' is an empty array: give at least one content part",
+                              f"{where}.content", "invalid_value")
+
+    def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
@@ -160,6 +181,8 @@ class ChatCompletionRequest(_Request):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for i, message in enumerate(self.messages):
+            message.check(i)
         if self.logprobs or self.top_logprobs:
             raise bad_request("logprobs is not supported", "logprobs")
         if self.tools:

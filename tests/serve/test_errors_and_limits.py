@@ -54,6 +54,25 @@ BAD = [
      None),
     ("image content", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages.0.content", None),
+    # chat messages as OpenAI validates them: every message needs content (a string or text parts)
+    ("message without content", CHAT, {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages.0.content",
+     "missing_required_parameter"),
+    ("assistant message without content", CHAT, {"model": "tiny", "messages": [*MSG, {"role": "assistant"}, *MSG]},
+     400, "messages.1.content", "missing_required_parameter"),
+    ("null content", CHAT, {"model": "tiny", "messages": [{"role": "system", "content": None}, *MSG]}, 400,
+     "messages.0.content", "invalid_type"),
+    ("empty content array", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": []}]}, 400,
+     "messages.0.content", "invalid_value"),
+    ("content as number", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.0.content", "invalid_type"),
+    ("text part without text", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages.0.content", None),
+    ("tool message without tool_calls", CHAT, {"model": "tiny", "messages": [
+        *MSG, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, 400, "messages.1.role", "invalid_value"),
+    ("tool_call_id on a user message", CHAT, {"model": "tiny", "messages": [{**MSG[0], "tool_call_id": "x"}]}, 400,
+     "messages.0.tool_call_id", None),
+    ("message without role", CHAT, {"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages.0.role",
+     "missing_required_parameter"),
     ("chat logprobs", CHAT, {"model": "tiny", "messages": MSG, "logprobs": True}, 400, "logprobs", None),
     ("chat tools", CHAT, {"model": "tiny", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", None),
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from serve_helpers import API_KEY, BLOCK_SIZE, GREEDY_PROMPT, GREEDY_TOKENS, MAX_SEQ_LEN
 
@@ -67,6 +67,15 @@ def test_chat_streaming_and_not_agree(client, server):
     assert ids[0] == 3  # <|im_start|> of the tiny ChatML template
     again = client.completions.create(model=server.model, prompt=ids, max_tokens=20, extra_body=EXT, **GREEDY)
     assert again.choices[0].model_extra["token_ids"] == resp.choices[0].model_extra["token_ids"]
+
+
+def test_chat_message_without_content_is_a_400_as_openai_answers(client, server):
+    """OpenAI refuses a message without content with 400 missing_required_parameter; so do we."""
+    with pytest.raises(BadRequestError) as info:
+        client.chat.completions.create(model=server.model, messages=[{"role": "user"}], max_completion_tokens=4)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == "messages.0.content" and info.value.body["code"] == "missing_required_parameter"
+    assert "messages.0.content" in info.value.body["message"]
 
 
 def test_cli_server_and_triton_encode_a_chat_prompt_to_the_same_ids(client, server, tiny_checkpoint):
