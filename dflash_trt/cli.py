@@ -7,6 +7,7 @@ exit 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import logging
 import sys
@@ -17,11 +18,37 @@ from dflash_trt.errors import DFlashError
 COMMANDS = ("generate", "demo", "bench", "serve", "triton", "build", "train", "quantize")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every command's --help: its description as written, and each option's default, unless the help
+    text already says it or there is nothing to say (a flag, an option that is unset by default)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not self._shows_default(action):
+            return super()._format_action(action)
+        action = copy.copy(action)
+        action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        return super()._format_action(action)
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        hidden = action.help == argparse.SUPPRESS
+        return bool(action.option_strings) and not unset and not hidden and "default" not in (action.help or "").lower()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The subcommands' parser: HelpFormatter unless a command asks for another."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-trt", description="DFlash speculative decoding: build, serve, benchmark.")
     parser.add_argument("--version", action="version", version=f"dflash-trt {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
     for name in COMMANDS:
         module = importlib.import_module(f"dflash_trt.commands.{name.replace('-', '_')}")
         module.register(sub)

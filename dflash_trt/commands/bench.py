@@ -29,7 +29,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark DFlash against autoregressive decoding and peers",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--dataset", action="append", default=None, metavar="NAME|FILE.jsonl",
                    help="humaneval, mtbench or a JSONL prompt file; repeatable (default: humaneval)")
     p.add_argument("--limit", type=int, default=None, help="prompts per dataset (spread over categories)")

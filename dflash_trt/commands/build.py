@@ -18,8 +18,7 @@ from dflash_trt.errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("build", help="build a deployment directory from a build config", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("build", help="build a deployment directory from a build config", description=__doc__)
     p.add_argument("config", type=Path, help="build config YAML (see build_configs/)")
     p.add_argument("--output", "-o", type=Path, required=True, help="output directory to create")
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")

@@ -17,8 +17,7 @@ from dflash_trt.engine import SamplingParams
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="generate from one prompt", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("generate", help="generate from one prompt", description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")

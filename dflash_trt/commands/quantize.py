@@ -24,7 +24,7 @@ FORMATS = ("modelopt-hf", "trtllm-legacy")
 
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="write FP8/NVFP4 (sharded) checkpoints for TensorRT-LLM",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--target", type=Path, default=None, help="target HF checkpoint directory")
     p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter directory (needs --target for calibration)")
     p.add_argument("--algo", choices=sorted(ALGOS), required=True)

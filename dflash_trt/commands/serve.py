@@ -29,8 +29,7 @@ _OVERRIDABLE = {"drafter": "drafter", "block_size": "block_size", "no_spec": "no
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, DFlash)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching, DFlash)", description=__doc__)
     p.add_argument("model", nargs="?", type=Path, default=None, help="target checkpoint directory (same as --target)")
     p.add_argument("--config", "--extra_llm_api_options", dest="config", type=Path, default=None,
                    help="trtllm-serve style YAML: speculative_config + LLM-API keys (unknown keys are errors)")

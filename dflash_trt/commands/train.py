@@ -21,8 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a DFlash drafter for a target", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("train", help="train a DFlash drafter for a target", description=__doc__)
     p.add_argument("--target", type=Path, default=None, help="target HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where the embedded default is converted")
     p.add_argument("--output", type=Path, required=True, help="directory for the trained drafter")

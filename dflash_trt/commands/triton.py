@@ -34,7 +34,7 @@ REPO_FLAGS = {  # flag dest -> (section or None, settings key)
 
 def register(sub) -> None:
     p = sub.add_parser("triton-repo", help="write a Triton model repository that serves DFlash",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--config", type=Path, default=None, help="model settings YAML (see dflash_trt/serve/triton/settings.py)")
     p.add_argument("--output", type=Path, required=True, help="the model repository folder (created if missing)")
     p.add_argument("--model-name", default="dflash", help="Triton model name (default: dflash)")
@@ -51,7 +51,7 @@ def register(sub) -> None:
     p.set_defaults(func=lambda args: run_repo(args, p))
 
     s = sub.add_parser("triton-serve", help="start tritonserver on a DFlash model repository",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     s.add_argument("repository", type=Path, help="model repository written by triton-repo")
     s.add_argument("--address", default="127.0.0.1", help="address HTTP, gRPC and metrics bind to (default: loopback)")
     s.add_argument("--http-port", type=int, default=8000)
