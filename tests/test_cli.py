@@ -1,7 +1,9 @@
 """The `dflash-trt generate` contract (other checks depend on it) and clean failures."""
 from __future__ import annotations
 
+import argparse
 import json
+import socket
 import subprocess
 import sys
 
@@ -78,6 +80,137 @@ def test_missing_paths_and_mismatched_drafter(ckpt, tmp_path):
     proc = cli("generate", "--target", str(other), "--drafter", str(drafter), "--prompt-ids", "1",
                "--max-seq-len", "256", check=False)
     assert proc.returncode == 2 and "hidden_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def unloadable(ckpt, tmp_path_factory):
+    """A target directory whose loading fails at once (its config.json is no model's), beside a real
+    drafter: a flag error reported instead of the load error was found before any model load."""
+    target = tmp_path_factory.mktemp("unloadable")
+    (target / "config.json").write_text("{}")
+    return target, ckpt[1]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--block-size", "0"], "block_size must be in [1, 64]"),
+    (["--block-size", "100"], "block_size must be in [1, 64]"),
+    (["--block-size", "16"], "exceeds the block size 8 the drafter"),  # a block-8 drafter
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "-1"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "2"], "top_p"),
+    (["--max-seq-len", "1"], "max_seq_len must be >= 2"),
+    (["--tp", "0"], "--tp must be >= 1"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_generate_checks_its_flags_before_loading_a_model(unloadable, extra, message):
+    target, drafter = unloadable
+    proc = cli("generate", "--target", str(target), "--drafter", str(drafter), "--prompt-ids", "1,2", *extra,
+               check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_empty_prompt_is_refused_before_loading_a_model(unloadable):
+    target, drafter = unloadable
+    proc = cli("generate", "--target", str(target), "--drafter", str(drafter), "--prompt", "", check=False)
+    assert proc.returncode == 2 and "the prompt is empty" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--port", "70000"], "port must be in [0, 65535]"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--max-num-tokens", "0"], "--max-num-tokens must be >= 1"),
+    (["--max-input-len", "0"], "max_input_len must be >= 1"),
+    (["--block-size", "16"], "exceeds the block size 8 the drafter"),
+    (["--max-batch-size", "0"], "max_batch_size must be >= 1"),
+    (["--api-key", ""], "--api-key must not be empty"),
+])
+def test_serve_checks_its_flags_before_loading_a_model(unloadable, extra, message):
+    target, drafter = unloadable
+    proc = cli("serve", str(target), "--drafter", str(drafter), *extra, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_serve_on_a_busy_port_says_so_before_loading(unloadable):
+    target, drafter = unloadable
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = cli("serve", str(target), "--drafter", str(drafter), "--port", str(port), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"dflash-trt serve: error: port {port} on 127.0.0.1 is already in use (another server?): stop it or pick "
+        "another --port"]
+
+
+def test_target_paths_are_checked_first_and_precisely(ckpt, tmp_path):
+    a_file = tmp_path / "weights.bin"
+    a_file.write_text("not a checkpoint")
+    proc = cli("generate", "--target", str(a_file), "--drafter", str(ckpt[1]), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and f"target directory {a_file} is not a directory" in proc.stderr, proc.stderr
+    proc = cli("generate", "--target", str(ckpt[0]), "--drafter", str(a_file), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and f"drafter directory {a_file} is not a directory" in proc.stderr, proc.stderr
+    # a missing target is reported before the missing --drafter
+    proc = cli("generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1", check=False)
+    assert proc.returncode == 2 and "nope does not exist" in proc.stderr and "--drafter" not in proc.stderr
+
+
+def test_max_seq_len_defaults_to_the_targets_context(ckpt):
+    """The tiny target holds 512 positions: no --max-seq-len runs at 512; an explicit larger one is an error."""
+    target, drafter, _ = ckpt
+    base = ["generate", "--target", str(target), "--drafter", str(drafter), "--prompt-ids", "3,80,81"]
+    out = json.loads(cli(*base, "--max-new-tokens", "509", "--ignore-eos", "--json").stdout)
+    assert len(out["tokens"]) == 509 and out["finish_reason"] == "length"  # 3 + 509 = the whole context
+    proc = cli(*base, "--max-seq-len", "1024", check=False)
+    assert proc.returncode == 2 and "max_seq_len 1024 exceeds the target's context (512 positions)" in proc.stderr
+
+
+def test_default_max_seq_len_is_capped_by_the_kv_budget():
+    """A long-context target: the default is capped so the KV cache fits KV_CACHE_BUDGET_BYTES."""
+    from dflash_trt.config import TargetInfo
+    from dflash_trt.engine import KV_CACHE_BUDGET_BYTES, MAX_SEQ_LEN_STEP, EngineConfig
+
+    info = TargetInfo("llama", 32, 4096, 128256, 131072, (2,), 8, 128)  # Llama-3.1-8B's geometry
+    per_position = info.kv_bytes_per_position(2)
+    assert per_position == 2 * 32 * 8 * 128 * 2
+    config = EngineConfig(max_batch_size=8).for_models(info, None, 2)
+    assert config.max_seq_len % MAX_SEQ_LEN_STEP == 0 and config.max_seq_len < 131072
+    assert 8 * config.max_seq_len * per_position <= KV_CACHE_BUDGET_BYTES < 8 * (config.max_seq_len + MAX_SEQ_LEN_STEP) * per_position
+    assert EngineConfig(max_seq_len=100_000).for_models(info, None, 2).max_seq_len == 100_000  # explicit: as given
+    small = TargetInfo("llama", 2, 64, 256, 512, (2,), 2, 32)
+    assert EngineConfig().for_models(small, None, 4).max_seq_len == 512  # the whole context fits
+
+
+def test_block_size_above_the_drafters_is_an_error_in_every_command(ckpt, tmp_path):
+    """The same rule everywhere (the drafter was trained for block 8): generate, bench, triton-repo,
+    demo; serve in test_serve_checks_its_flags_before_loading_a_model and tests/serve/test_config.py."""
+    target, drafter, _ = ckpt
+    models = ["--target", str(target), "--drafter", str(drafter), "--block-size", "16"]
+    runs = {"generate": cli("generate", *models, "--prompt-ids", "1", check=False),
+            "bench": cli("bench", *models, "--output", str(tmp_path / "bench"), check=False),
+            "triton-repo": cli("triton-repo", *models, "--output", str(tmp_path / "repo"), check=False),
+            "demo": cli("demo", "--tiny", "--block-size", "16", check=False)}
+    for command, proc in runs.items():
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert "exceeds the block size 8 the drafter" in proc.stderr and "Traceback" not in proc.stderr, command
+
+
+def test_help_lists_the_json_keys_and_every_default():
+    from dflash_trt.cli import HelpFormatter, build_parser
+
+    text = cli("generate", "--help").stdout
+    assert "block_size" in text and "default: 128" in text and "default: 1.0" in text
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) >= {"generate", "demo", "bench", "serve", "triton-repo", "triton-serve", "build", "train",
+                             "quantize"}
+    for name, sub in commands.items():
+        shown = "".join(sub.format_help().split())  # argparse wraps long defaults at spaces and hyphens
+        for action in sub._actions:
+            if HelpFormatter._shows_default(action):
+                assert "default:" + "".join(str(action.default).split()) in shown, (name, action.dest)
 
 
 def test_import_needs_no_gpu_stack():

@@ -19,6 +19,7 @@ from dflash_trt.builder.plan import BuildPlan
 from dflash_trt.builder.sources import json_digest
 
 MANIFEST = "manifest.json"
+FORMAT = "dflash_trt-build"
 FORMAT_VERSION = 1
 
 
@@ -48,7 +49,7 @@ def build_manifest(plan: BuildPlan, fingerprints: dict, stages: list[dict], laun
     from dflash_trt import __version__
 
     return {
-        "format": "dflash_trt-build",
+        "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "versions": {"dflash_trt": __version__, "python": platform.python_version(), "torch": _version("torch"),
                      "transformers": _version("transformers"), "tensorrt_llm": _version("tensorrt_llm"),
@@ -92,3 +93,18 @@ def write_manifest(directory: Path, manifest: dict) -> None:
 
 def read_manifest(directory: Path) -> dict:
     return json.loads((Path(directory) / MANIFEST).read_text())
+
+
+def build_name(directory: Path) -> str | None:
+    """The name of the build in `directory` (its manifest's), or None when `directory` holds no build
+    (no manifest.json, or another tool's)."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(manifest, dict) or "format" not in manifest or manifest["format"] != FORMAT:
+        return None
+    return manifest["name"]

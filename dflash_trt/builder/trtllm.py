@@ -55,7 +55,8 @@ def serve_argv(cfg: BuildConfig, out: Path) -> list[str]:
     """The serving command for one process (rank 0 under MPI) on the built directory `out`."""
     s = cfg.serve
     if cfg.backend == "torch":
-        argv = ["dflash-trt", "serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml")]
+        argv = ["dflash-trt", "serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml"),
+                "--served-model-name", cfg.name]
         if cfg.parallel.tp > 1:
             argv += ["--tp", str(cfg.parallel.tp)]
         return argv + ["--host", s.host, "--port", str(s.port)]

@@ -5,7 +5,8 @@ import argparse
 import os
 from pathlib import Path
 
-from dflash_trt.engine import ACCEPTANCE_MODES, EngineConfig
+from dflash_trt.config import DrafterConfig, check_block_size, require_dir
+from dflash_trt.engine import ACCEPTANCE_MODES, KV_CACHE_BUDGET_BYTES, EngineConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.factory import BACKENDS, LoadConfig, check_backend, load_backend
 
@@ -41,7 +42,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--draft-len-schedule", type=parse_draft_len_schedule, default=None, metavar="B:K,...",
                    help="drafts per row by batch size, as TensorRT-LLM's draft_len_schedule: '1:7,4:3,8:0' = 7 drafts "
                         "below 4 rows, 3 below 8, none from 8 rows up")
-    e.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    e.add_argument("--max-seq-len", type=int, default=None,
+                   help="prompt + generated tokens per sequence (default: the target's context, capped so the KV "
+                        f"cache of --max-batch-size sequences fits {KV_CACHE_BUDGET_BYTES >> 20} MiB)")
     e.add_argument("--max-batch-size", type=int, default=8)
 
 
@@ -63,26 +66,57 @@ def cache_dir(args: argparse.Namespace) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "dflash_trt"
 
 
+def drafter_dir(args: argparse.Namespace) -> Path | None:
+    """The drafter the flags name: --drafter, the shipped one with the embedded default target, None
+    with --no-spec. The target directory is checked first (a wrong --target is the first thing to say)."""
+    if args.target is not None:
+        require_dir(args.target, "target directory")
+    if args.no_spec:
+        return None
+    if args.drafter is not None:
+        return require_dir(args.drafter, "drafter directory")
+    if args.target is None:
+        if not (SHIPPED_DRAFTER / "config.json").is_file():
+            raise ConfigError(f"the shipped drafter is missing at {SHIPPED_DRAFTER}; pass --drafter or --no-spec")
+        return SHIPPED_DRAFTER
+    raise ConfigError("--drafter is required with --target (or pass --no-spec for autoregressive decoding)")
+
+
 def load_config(args: argparse.Namespace) -> LoadConfig:
-    target, drafter = args.target, args.drafter
+    drafter = drafter_dir(args)
+    target = args.target
     if target is None:
         from dflash_trt.models.smollm2 import ensure_default_target
 
         target = ensure_default_target(cache_dir(args))
-        if drafter is None and not args.no_spec:
-            if not (SHIPPED_DRAFTER / "config.json").is_file():
-                raise ConfigError(f"the shipped drafter is missing at {SHIPPED_DRAFTER}; pass --drafter or --no-spec")
-            drafter = SHIPPED_DRAFTER
-    if drafter is None and not args.no_spec:
-        raise ConfigError("--drafter is required with --target (or pass --no-spec for autoregressive decoding)")
-    return LoadConfig(target=target, drafter=None if args.no_spec else drafter,
-                     target_backend=args.target_backend, dtype=args.dtype)
+    return LoadConfig(target=target, drafter=drafter, target_backend=args.target_backend, dtype=args.dtype)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_batch_size=args.max_batch_size,
                         max_seq_len=args.max_seq_len, speculative=not args.no_spec, acceptance=args.acceptance,
                         draft_confidence=args.draft_confidence, draft_len_schedule=args.draft_len_schedule)
+
+
+def check_model_flags(args: argparse.Namespace) -> EngineConfig:
+    """Every check of the model flags that needs no model, run before one is loaded (or converted):
+    the backend, the target and drafter directories, the engine settings, and the block size against the
+    drafter's config.json (check_block_size). Returns the engine config."""
+    check_backend(args.backend)
+    drafter = drafter_dir(args)
+    config = engine_config(args)
+    if drafter is not None and config.block_size is not None:
+        check_block_size(config.block_size, DrafterConfig.load(drafter).block_size, str(drafter))
+    return config
+
+
+def tp_config(args: argparse.Namespace):
+    """--tp / --moe-tp-size / --tp-timeout, checked (runtime.mpi.TPConfig)."""
+    from dflash_trt.runtime.mpi import TPConfig
+
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
+    return TPConfig(args.tp, args.moe_tp_size, args.tp_timeout)
 
 
 def trtllm_options(backend: str, tp: int = 1, moe_tp_size: int = 1, llm_args: dict | None = None):

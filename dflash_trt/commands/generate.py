@@ -3,7 +3,8 @@
 --backend torch (default: this project's engine) or trtllm (TensorRT-LLM's LLM API; a CUDA GPU and
 tensorrt_llm, else one error line and exit 2) picks the engine behind the same contract.
 With --json it prints one object: tokens, text (when a tokenizer exists), steps
-[{draft_tokens, accepted}], mean_acceptance_length, tokens_per_s, finish_reason, prompt_tokens.
+[{draft_tokens, accepted}], mean_acceptance_length, tokens_per_s, finish_reason, prompt_tokens,
+block_size. Every flag is checked before a model is loaded.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import argparse
 import json
 import sys
 
-from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load, load_config
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, check_model_flags, load, load_config, tp_config
 from dflash_trt.errors import InputError
 from dflash_trt.engine import SamplingParams
 
@@ -50,11 +51,19 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
-def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[int]:
+def check_prompt(prompt: str | None, ids: str | None) -> list[int] | None:
+    """The prompt flags, checked before any model is loaded: token ids parsed, text non-empty."""
     if ids is not None:
         return parse_ids(ids)
     if not prompt:
-        raise InputError("the prompt is empty")
+        raise InputError("the prompt is empty: give --prompt some text")
+    return None
+
+
+def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[int]:
+    parsed = check_prompt(prompt, ids)
+    if parsed is not None:
+        return parsed
     tok = models.tokenizer
     if tok is None:
         raise InputError("this target has no tokenizer: use --prompt-ids")
@@ -63,24 +72,30 @@ def prompt_ids(models, prompt: str | None, ids: str | None, chat: bool) -> list[
     return encode_prompt(tok, prompt, chat=chat)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.backend == "torch" and args.tp != 1:
-        from dflash_trt.runtime.mpi import TPConfig, tp_main
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
 
-        config = TPConfig(args.tp, args.moe_tp_size, args.tp_timeout)
-        return tp_main(config, lambda: load_config(args), engine_config(args), lambda m, e: decode(args, m, e))
+
+def run(args: argparse.Namespace) -> int:
+    eng = check_model_flags(args)  # everything that needs no model first
+    tp = tp_config(args)
+    params = sampling_params(args)
+    check_prompt(args.prompt, args.prompt_ids)
+    if args.backend == "torch" and args.tp != 1:
+        from dflash_trt.runtime.mpi import tp_main
+
+        return tp_main(tp, lambda: load_config(args), eng, lambda m, e: decode(args, m, e, params))
     models = load(args, args.tp, args.moe_tp_size)
-    engine = models.engine(engine_config(args))
+    engine = models.engine(eng)
     try:
-        return decode(args, models, engine)
+        return decode(args, models, engine, params)
     finally:
         engine.shutdown()
 
 
-def decode(args: argparse.Namespace, models, engine) -> int:
+def decode(args: argparse.Namespace, models, engine, params: SamplingParams) -> int:
     ids = prompt_ids(models, args.prompt, args.prompt_ids, args.chat)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
     result = engine.generate([ids], params)[0]
     text = models.detokenize(result.tokens) if models.tokenizer is not None else None
     if args.json:

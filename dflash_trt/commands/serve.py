@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load, load_config
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, check_model_flags, load, load_config, tp_config
 from dflash_trt.errors import ConfigError
 
 # flag dest -> ServeOverrides field, for the --config file
@@ -37,7 +37,9 @@ def register(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
-    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL as given)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the build's name when MODEL is a build's target/, "
+                        "else MODEL as given)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: `mpirun -n N dflash-trt serve --tp N`")
     s.add_argument("--moe-tp-size", type=int, default=1,
                    help="with --tp: ranks splitting each expert's intermediate dim (the rest split the experts)")
@@ -81,12 +83,36 @@ def _apply_config(args: argparse.Namespace) -> None:
                               "set speculative_model or --drafter")
 
 
-def _server_config(args: argparse.Namespace, target: Path):
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the build's name for a build's target/ (its manifest names it), else
+    MODEL as given (as vLLM and trtllm-serve do); the embedded default serves under its folder's name."""
+    if args.served_model_name is not None:
+        return args.served_model_name
+    if args.target is None:
+        from dflash_trt.models.smollm2 import DEFAULT_CACHE_SUBDIR
+
+        return DEFAULT_CACHE_SUBDIR
+    from dflash_trt.builder.manifest import build_name
+
+    name = build_name(Path(args.target).parent)
+    return name if name is not None else str(args.target)
+
+
+def _server_config(args: argparse.Namespace):
     from dflash_trt.serve.config import OpenAIServerConfig
 
-    name = args.served_model_name or (str(args.target) if args.target is not None else target.name)
-    return OpenAIServerConfig(served_model_name=name, host=args.host, port=args.port, api_key=args.api_key,
-                        max_input_len=args.max_input_len, log_level=args.log_level)
+    return OpenAIServerConfig(served_model_name=served_model_name(args), host=args.host, port=args.port,
+                              api_key=args.api_key, max_input_len=args.max_input_len, log_level=args.log_level)
+
+
+def _scheduler_config(args: argparse.Namespace):
+    from dflash_trt.runtime.scheduler import SchedulerConfig
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_num_tokens < 1:
+        raise ConfigError(f"--max-num-tokens must be >= 1, got {args.max_num_tokens}")
+    return SchedulerConfig(max_queue=args.max_queue, token_budget=args.max_num_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,21 +122,27 @@ def run(args: argparse.Namespace) -> int:
         args.target = args.model
     if args.config is not None:
         _apply_config(args)
-    if args.tp < 1:
-        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
-    from dflash_trt.runtime.scheduler import SchedulerConfig
-    from dflash_trt.serve.openai_server import serve
+    # every check that needs no model, then the port, then the models
+    eng = check_model_flags(args)
+    tp = tp_config(args)
+    sched = _scheduler_config(args)
+    server = _server_config(args)
+    from dflash_trt.serve.openai_server import bind_socket, serve
 
-    eng = engine_config(args)
-    sched = SchedulerConfig(max_queue=args.max_queue, token_budget=args.max_num_tokens)
+    listening = []  # the socket rank 0 (or the only process) bound before loading
+
+    def load_after_binding():
+        listening.append(bind_socket(server.host, server.port))
+        return load_config(args)
 
     def lead(models, engine) -> int:  # rank 0 (or the only rank) serves HTTP
-        return serve(models, engine, sched, _server_config(args, Path(models.load.target)))
+        return serve(models, engine, sched, server, listening[0])
 
     if args.backend == "torch" and args.tp > 1:
-        from dflash_trt.runtime.mpi import TPConfig, tp_main
+        from dflash_trt.runtime.mpi import tp_main
 
-        return tp_main(TPConfig(args.tp, args.moe_tp_size, args.tp_timeout), lambda: load_config(args), eng, lead)
+        return tp_main(tp, load_after_binding, eng, lead)
+    listening.append(bind_socket(server.host, server.port))
     models = load(args, args.tp, args.moe_tp_size, args._trtllm_args)
     engine = models.engine(eng)
     try:

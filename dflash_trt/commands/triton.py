@@ -18,7 +18,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from dflash_trt.commands.common import CACHE_ENV, add_backend_flag, add_model_flags, load_config
+from dflash_trt.commands.common import CACHE_ENV, add_backend_flag, add_model_flags, check_model_flags, load_config
 from dflash_trt.errors import DFlashError
 
 REPO_FLAGS = {  # flag dest -> (section or None, settings key)
@@ -95,7 +95,7 @@ def run_repo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dflash_trt.serve.triton.settings import TritonSettings
 
     if args.config is None:
-        check_backend(args.backend)  # before the default target is resolved (converted on first use)
+        check_model_flags(args)  # before the default target is resolved (converted on first use)
     raw, base = _settings_dict(args, parser)
     settings = TritonSettings.from_dict(raw, "triton-repo").resolved(base)
     check_backend(settings.backend)  # the model loads it at startup: fail here, in one line, if it cannot run

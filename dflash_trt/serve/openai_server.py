@@ -11,10 +11,13 @@ starts with the app); `serve(...)` runs it under uvicorn until interrupted. The 
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
+import socket
 
 from dflash_trt.engine import Engine
+from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.scheduler import Scheduler, SchedulerConfig
 from dflash_trt.serve.app import ServerState, build_app
 from dflash_trt.serve.config import OpenAIServerConfig
@@ -43,16 +46,35 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (as uvicorn binds it: SO_REUSEADDR, IPv6 for a ':' host),
+    so that a busy port is one ConfigError before any model is loaded (trtllm-serve binds first too);
+    `serve` listens on it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another server?): stop it or pick another "
+                              "--port") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}: check --host and --port") from None
+    return sock
+
+
 def serve(models, engine: Engine, scheduler_config: SchedulerConfig,
-          server_config: OpenAIServerConfig) -> int:
-    """Run the server in this thread until SIGINT/SIGTERM."""
+          server_config: OpenAIServerConfig, sock: socket.socket | None = None) -> int:
+    """Run the server in this thread until SIGINT/SIGTERM, on `sock` (bind_socket; bound here when None)."""
     import uvicorn
 
     if not _is_loopback(server_config.host) and server_config.api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this address can use the model",
                     server_config.host)
+    if sock is None:
+        sock = bind_socket(server_config.host, server_config.port)
     app = create_app(models, engine, scheduler_config, server_config)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                             log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

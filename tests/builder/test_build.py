@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -174,7 +175,10 @@ def test_built_directory_generates_losslessly(built):
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_healthy(server, port)
-        body = {"model": str(out / "target"), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        # a build's target/ is served under the build's name (not its path) without --served-model-name
+        name = json.loads((out / "manifest.json").read_text())["name"]
+        assert [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]] == [name]
+        body = {"model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
         assert reply["choices"][0]["token_ids"] == reference, reply
@@ -326,13 +330,16 @@ def test_cpu_default_build_is_served(tmp_path):
         real = dir_bytes(out / stage)
         assert abs(plan.stage(stage).est_bytes - real) <= 0.05 * real, (stage, plan.stage(stage).est_bytes, real)
     port = _free_port()
-    server = subprocess.Popen([*DFLASH, "serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml"),
-                               "--port", str(port), "--log-level", "warning"],
+    # the build's own launch line (launch/serve.sh runs it), on a free port
+    argv = shlex.split(json.loads((out / "manifest.json").read_text())["launch"]["commands"]["serve"])
+    assert argv[:2] == ["dflash-trt", "serve"] and argv[argv.index("--served-model-name") + 1] == "cpu-default"
+    argv[argv.index("--port") + 1] = str(port)
+    server = subprocess.Popen([*DFLASH, *argv[1:], "--log-level", "warning"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_healthy(server, port)
         prompt = "The capital of France is"
-        body = {"model": str(out / "target"), "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        body = {"model": "cpu-default", "prompt": prompt, "max_tokens": 8, "temperature": 0}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).json()
     finally:
         server.send_signal(signal.SIGTERM)

@@ -124,8 +124,10 @@ def test_generate_command_tp2_and_world_size_check(ckpts, tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only rank 0 prints
     assert json.loads(lines[0])["tokens"] == ref[0]
-    # a singleton MPI world (no mpirun) against --tp 2: rejected before any weight is read
-    bad = [a if a != str(target) else str(tmp_path / "no-such-target") for a in args]
+    # a singleton MPI world (no mpirun) against --tp 2: rejected before any weight is read (the target
+    # directory exists, so the flag checks pass, but holds no weights)
+    (tmp_path / "weightless-target").mkdir()
+    bad = [a if a != str(target) else str(tmp_path / "weightless-target") for a in args]
     proc = subprocess.run([str(BIN / "dflash-trt"), *bad], env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--tp 2 needs exactly 2 MPI ranks, but this job has 1" in proc.stderr

@@ -55,7 +55,7 @@ class Server:
         return out
 
 
-BIND_ERROR = "error while attempting to bind"  # uvicorn's message when the port was taken meanwhile
+BIND_ERROR = "is already in use"  # `dflash-trt serve` when the port was taken between our probe and its bind
 
 
 class PortTaken(Exception):
