@@ -186,6 +186,21 @@ class HFPromptLookupMode(HFMode):
         return self.ctx.prompt_lookup_tokens
 
 
+class _CacheKeyword:
+    """The target as the reference package calls it, with its KV cache passed the way transformers
+    5.24 takes it: `cache=` (the reference passes `past_key_values=`, deprecated there with a
+    FutureWarning on every bench run). Everything else is the wrapped model's."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __call__(self, *args, past_key_values=None, **kwargs):
+        return self._model(*args, cache=past_key_values, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
 class ReferenceDFlashMode(HFMode):
     """The upstream reference implementation (`dflash` on PyPI) with our drafter weights."""
 
@@ -203,7 +218,7 @@ class ReferenceDFlashMode(HFMode):
             self.drafter.block_size = ctx.block_size
 
     def _decode(self, ids, max_new_tokens):
-        return self.drafter.spec_generate(self.model, ids, max_new_tokens, self.ctx.eos_ids)
+        return self.drafter.spec_generate(_CacheKeyword(self.model), ids, max_new_tokens, self.ctx.eos_ids)
 
     def _drafts(self) -> int:
         return self.ctx.block_size - 1

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 SCHEMA_VERSION = 1
+MIN_PROMPTS = 10  # a summary over fewer prompts gets a noise warning
+DOMINANT_SHARE = 0.5  # ... and so does one where a single prompt takes more than this share of the time
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,24 @@ def aggregates(records: list[Record], baseline: str = "ar") -> dict[str, list[di
     }
 
 
+def noise_warnings(records: list[dict], prompts_per_dataset: dict[str, int]) -> list[str]:
+    """Why a summary may be noise: a dataset with fewer than MIN_PROMPTS prompts (every figure on it,
+    batch 1 and sweep, rests on them), or a mode whose batch-1 time on a dataset is mostly one prompt's.
+    `records`: the report's (record_dicts)."""
+    out = [f"{ds}: {n} prompt{'s' if n != 1 else ''} (fewer than {MIN_PROMPTS}): its tok/s, tau and speedups are "
+           "noisy; raise --limit" for ds, n in prompts_per_dataset.items() if n < MIN_PROMPTS]
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["mode"], r["dataset"])].append(r)
+    for (mode, ds), rs in groups.items():
+        total = sum(r["time_s"] for r in rs)
+        top = max(rs, key=lambda r: r["time_s"])
+        if len(rs) > 1 and total > 0 and top["time_s"] > DOMINANT_SHARE * total:
+            out.append(f"{ds}/{mode}: prompt {top['prompt_id']} takes {top['time_s'] / total:.0%} of the time, so "
+                       "the summary mostly measures that one prompt")
+    return out
+
+
 # ---- concurrency sweep -------------------------------------------------------------------
 @dataclass(frozen=True)
 class RequestTiming:
@@ -247,6 +267,8 @@ def markdown(report: dict) -> str:
                 for p in report["sweep"]]
         lines += _table(["mode", "concurrency", "requests", "tok/s/user", "total tok/s", "TTFT ms", "TPOT ms",
                          "ITL p50 ms", "ITL p99 ms", "tau"], rows)
+    if report["warnings"]:
+        lines += ["", "## Noise warnings", ""] + [f"- {w}" for w in report["warnings"]]
     skipped = report["modes"]["skipped"]
     if skipped:
         lines += ["", "## Skipped modes", ""] + [f"- `{m}`: {why}" for m, why in skipped.items()]

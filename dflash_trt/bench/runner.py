@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 BUILTIN_DATASETS = ("humaneval", "mtbench")
 SWEEP_MODES = ("dflash", "dflash-full", "ar")
 WARMUP_TOKENS = 8
+DEFAULT_SWEEP = (1, 2, 4, 8, 16)  # concurrency levels, capped at the prompt count (BenchConfig.sweep_levels)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class BenchConfig:
     datasets: tuple[str, ...] = ("humaneval",)  # humaneval | mtbench | path to a .jsonl file
     limit: int | None = None  # prompts per dataset (spread over categories)
     modes: tuple[str, ...] = ("dflash", "ar", "hf-generate", "hf-prompt-lookup", "dflash-reference")
-    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)  # () = no sweep
+    concurrency: tuple[int, ...] | None = None  # () = no sweep; None = sweep_levels: DEFAULT_SWEEP up to the prompts
     max_new_tokens: int = 128
     warmup: bool = True
     progress: bool = True
@@ -58,8 +59,15 @@ class BenchConfig:
             raise InputError(f"--limit must be >= 1, got {self.limit}")
         if self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if any(c < 1 for c in self.concurrency):
+        if self.concurrency is not None and any(c < 1 for c in self.concurrency):
             raise InputError(f"--concurrency values must be >= 1, got {list(self.concurrency)}")
+
+    def sweep_levels(self, prompts: int) -> tuple[int, ...]:
+        """The sweep's concurrency levels: --concurrency as given, else DEFAULT_SWEEP up to the prompt
+        count (more requests in flight than there are prompts would only repeat prompts)."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return tuple(c for c in DEFAULT_SWEEP if c <= max(prompts, 1))
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
-from dflash_trt.commands.common import add_backend_flag, add_model_flags, engine_config, load
+from dflash_trt.bench.runner import DEFAULT_SWEEP
+from dflash_trt.commands.common import add_backend_flag, add_model_flags, check_model_flags, load
 from dflash_trt.errors import InputError
 
 
@@ -35,8 +38,9 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="prompts per dataset (spread over categories)")
     p.add_argument("--modes", default="dflash,ar,hf-generate,hf-prompt-lookup,dflash-reference",
                    help="comma-separated modes for the batch-1 comparison")
-    p.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16),
-                   help="comma-separated concurrency sweep for dflash and ar (empty string: no sweep)")
+    p.add_argument("--concurrency", type=_ints, default=None,
+                   help="comma-separated concurrency sweep for dflash and ar (empty string: no sweep; default: "
+                        f"{','.join(map(str, DEFAULT_SWEEP))} up to the number of prompts)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-lookup-tokens", type=int, default=None,
                    help="hf-prompt-lookup draft length (default: block size - 1, the DFlash draft length; 10 without a drafter)")
@@ -86,7 +90,8 @@ def _config(args):
     from dflash_trt.bench.runner import BenchConfig
 
     return BenchConfig(datasets=tuple(args.dataset or ("humaneval",)), limit=args.limit,
-                       modes=tuple(parse_modes(args.modes)), concurrency=tuple(args.concurrency),
+                       modes=tuple(parse_modes(args.modes)),
+                       concurrency=None if args.concurrency is None else tuple(args.concurrency),
                        max_new_tokens=args.max_new_tokens, warmup=not args.no_warmup, progress=not args.no_progress)
 
 
@@ -107,7 +112,7 @@ def _run_endpoint(args, cfg, prompts) -> tuple[dict, dict]:
     return body, {"endpoint": ecfg.base, "model": model, "target_name": model, "block_size": None}
 
 
-def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
+def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
     from dataclasses import replace
 
     from dflash_trt.bench.modes import ModeContext
@@ -120,8 +125,8 @@ def _run_local(args, cfg, prompts) -> tuple[dict, dict]:
     models = load(args)
     prompts = tokenize(prompts, models.tokenizer)
     longest = max(len(bp.ids) for bp in prompts)
-    ecfg = engine_config(args)
-    ecfg = replace(ecfg, max_seq_len=min(args.max_seq_len, longest + cfg.max_new_tokens))
+    limit = args.max_seq_len if args.max_seq_len is not None else models.info.max_position_embeddings
+    ecfg = replace(ecfg, max_seq_len=min(limit, longest + cfg.max_new_tokens))  # no larger cache than needed
     drafter_dir = models.load.drafter
     block = (args.block_size or DrafterConfig.load(drafter_dir).block_size) if drafter_dir is not None else 1
     ctx = ModeContext(models=models, engine_config=ecfg, target_dir=Path(models.load.target),
@@ -154,9 +159,15 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    ecfg = None if args.endpoint else check_model_flags(args)  # before any model is loaded
     prompts = load_prompts(cfg.datasets, cfg.limit)
-    body, extra = (_run_endpoint if args.endpoint else _run_local)(args, cfg, prompts)
+    cfg = replace(cfg, concurrency=cfg.sweep_levels(len(prompts)))
+    if args.endpoint:
+        body, extra = _run_endpoint(args, cfg, prompts)
+    else:
+        body, extra = _run_local(args, cfg, prompts, ecfg)
     report = assemble(cfg, body, {"command": command_line(args), **extra})
+    report["warnings"] = rep.noise_warnings(report["records"], dict(Counter(bp.dataset for bp in prompts)))
     out = Path(args.output)
     if not args.no_plots:
         from dflash_trt.bench.plots import write_plots
@@ -167,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     rep.atomic_write_bytes(out / "report.md", md.encode())
     print(md)
     print(f"wrote {out / 'report.json'} and {out / 'report.md'}", file=sys.stderr)
+    for warning in report["warnings"]:
+        print(f"dflash-trt bench: warning: {warning}", file=sys.stderr)
     for err in report["errors"]:
         print(f"dflash-trt bench: error: {err['message']}", file=sys.stderr)
     return 1 if report["errors"] else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -212,6 +213,39 @@ def test_no_spec_skips_drafter_modes(tiny, tmp_path):
 def test_bad_flags_are_user_errors(tiny, tmp_path, capsys, flags, message):
     assert bench(tiny, tmp_path, *flags) == 2
     assert message in capsys.readouterr().err
+
+
+def test_default_sweep_scales_to_the_prompts_and_few_prompts_warn(tiny, tmp_path, capsys):
+    """--limit 2 without --concurrency sweeps 1 and 2 (not up to 16); the summary says it rests on
+    too few prompts; the reference peer runs without transformers' past_key_values FutureWarning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--limit", "2", "--modes", "dflash,ar,dflash-reference",
+                   "--no-plots")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["modes"]["measured"] == ["dflash", "ar", "dflash-reference"]
+    assert report["config"]["concurrency"] == [1, 2]
+    assert sorted((p["mode"], p["concurrency"], p["requests"]) for p in report["sweep"]) == [
+        ("ar", 1, 2), ("ar", 2, 2), ("dflash", 1, 2), ("dflash", 2, 2)]
+    assert report["warnings"] and "prompts: 2 prompts (fewer than 10)" in report["warnings"][0]
+    assert f"dflash-trt bench: warning: {report['warnings'][0]}" in err
+    assert "## Noise warnings" in (tmp_path / "report.md").read_text()
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_noise_warnings_name_a_dominant_prompt():
+    from dflash_trt.bench.report import noise_warnings
+
+    def rec(pid, t):
+        return {"mode": "dflash", "dataset": "d", "prompt_id": pid, "time_s": t}
+
+    many = {"d": 12}
+    assert noise_warnings([rec(str(i), 1.0) for i in range(12)], many) == []
+    [warning] = noise_warnings([rec(str(i), 1.0) for i in range(11)] + [rec("slow", 12.0)], many)
+    assert "d/dflash: prompt slow takes 52% of the time" in warning
+    assert "fewer than 10" in noise_warnings([], {"d": 3})[0]
 
 
 @pytest.mark.parametrize("got, want, index", [
