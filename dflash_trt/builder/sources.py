@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash_trt.builder.config import SOURCE_ALIASES, BuildConfig
 from dflash_trt.checkpoint.layout import TensorSpec, expert_format_of, float_dtype_of, read_specs
-from dflash_trt.config import DrafterConfig, TargetInfo, check_drafter_matches_target, check_target_layer_ids
+from dflash_trt.config import (DrafterConfig, TargetInfo, check_block_size, check_drafter_matches_target,
+                               check_target_layer_ids)
 from dflash_trt.errors import CheckpointError, ConfigError
 from dflash_trt.fileio import INDEX_NAME
 from dflash_trt.models.transformer import head_dim_of
@@ -115,9 +116,7 @@ def check_against_real(cfg: BuildConfig, src: Sources) -> None:
             raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings {limit}")
     if src.drafter_config is not None:
         d = src.drafter_config
-        if cfg.max_draft_len > d.block_size - 1:
-            raise ConfigError(f"max_draft_len {cfg.max_draft_len} exceeds what the drafter drafts per step "
-                              f"(block_size {d.block_size} - 1 = {d.block_size - 1}): lower max_draft_len")
+        check_block_size(cfg.max_draft_len + 1, d.block_size, str(src.drafter_path))
         if d.hidden_size != cfg.target.hidden_size or d.num_target_layers != cfg.target.num_hidden_layers:
             raise ConfigError(f"drafter {src.drafter_path} was built for a target with hidden size {d.hidden_size} "
                               f"and {d.num_target_layers} layers, the build config's target has "

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, MutableMapping, Sequence as Seq
 
-from dflash_trt.config import DrafterConfig, TargetInfo
+from dflash_trt.config import DrafterConfig, TargetInfo, check_block_size
 from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, Sequence, StepOutput, StepStat,
                                check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import BackendUnavailableError, CheckpointError, ConfigError, DFlashError, InputError
@@ -91,10 +91,7 @@ def speculative_config(drafter_dir: Path, drafter: DrafterConfig, max_draft_len:
     one for its GPU (dflash_attention_backend). max_draft_len + 1 must fit the drafter's block."""
     if max_draft_len < 1:
         raise ConfigError(f"max_draft_len must be >= 1, got {max_draft_len}")
-    if max_draft_len + 1 > drafter.block_size:
-        raise ConfigError(f"max_draft_len {max_draft_len} does not fit the drafter at {drafter_dir}: it was trained "
-                          f"with block_size {drafter.block_size} and TensorRT-LLM needs max_draft_len + 1 <= "
-                          f"block_size: lower max_draft_len to at most {drafter.block_size - 1}")
+    check_block_size(max_draft_len + 1, drafter.block_size, str(drafter_dir))
     cfg = {"decoding_type": DECODING_TYPE, "max_draft_len": max_draft_len, "speculative_model": str(drafter_dir),
            "mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}
     if use_rejection_sampling:
