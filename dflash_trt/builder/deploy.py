@@ -43,7 +43,7 @@ def _env_lines(plan: BuildPlan) -> list[str]:
     values = {
         "DFLASH_BUILD_DIR": str(plan.out), "DFLASH_BACKEND": cfg.backend, "DFLASH_TP": p.tp, "DFLASH_PP": p.pp,
         "DFLASH_EP": p.ep, "DFLASH_RANKS": p.ranks, "DFLASH_NODES": p.nodes, "DFLASH_GPUS_PER_NODE": p.gpus_per_node,
-        "DFLASH_HOST": cfg.serve.host, "DFLASH_PORT": cfg.serve.port,
+        "DFLASH_HOST": cfg.serve.host, "DFLASH_PORT": cfg.serve.port, "DFLASH_SERVED_MODEL_NAME": cfg.name,
         "DFLASH_CONTAINER_IMAGE": cfg.serve.container_image, "DFLASH_TRITON_IMAGE": cfg.serve.triton_image,
         "DFLASH_TRTLLM_VERSION": pinned().version, "DFLASH_HEALTH_TIMEOUT": cfg.serve.health_timeout_s,
         "DFLASH_TRITON_MODEL": cfg.serve.triton_model_name,

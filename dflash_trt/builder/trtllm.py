@@ -52,7 +52,9 @@ def llm_api_options(cfg: BuildConfig, drafter_dir: Path, drafter: DrafterConfig)
 
 
 def serve_argv(cfg: BuildConfig, out: Path) -> list[str]:
-    """The serving command for one process (rank 0 under MPI) on the built directory `out`."""
+    """The serving command for one process (rank 0 under MPI) on the built directory `out`. Both servers
+    announce the build's name as the model id (`--served-model-name` ours, `--served_model_name` in
+    trtllm-serve's click options, TensorRT-LLM docs: commands/trtllm-serve), not the directory's path."""
     s = cfg.serve
     if cfg.backend == "torch":
         argv = ["dflash-trt", "serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml"),
@@ -61,7 +63,7 @@ def serve_argv(cfg: BuildConfig, out: Path) -> list[str]:
             argv += ["--tp", str(cfg.parallel.tp)]
         return argv + ["--host", s.host, "--port", str(s.port)]
     argv = ["trtllm-serve", str(out / "target"), "--config", str(out / "llm_api_options.yaml"),
-            "--host", s.host, "--port", str(s.port), "--backend", "pytorch",
+            "--host", s.host, "--port", str(s.port), "--backend", "pytorch", "--served_model_name", cfg.name,
             "--tp_size", str(cfg.parallel.tp), "--pp_size", str(cfg.parallel.pp)]
     if cfg.is_moe:
         argv += ["--ep_size", str(cfg.parallel.ep)]

@@ -25,6 +25,7 @@ srun --mpi=pmix \
   trtllm-llmapi-launch trtllm-serve "${DFLASH_BUILD_DIR}/target" \
     --config "${DFLASH_BUILD_DIR}/llm_api_options.yaml" \
     --host "${DFLASH_HOST}" --port "${DFLASH_PORT}" --backend pytorch \
+    --served_model_name "${DFLASH_SERVED_MODEL_NAME}" \
     --tp_size "${DFLASH_TP}" --pp_size "${DFLASH_PP}" --ep_size "${DFLASH_EP}" &
 server_pid=$!
 

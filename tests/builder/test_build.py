@@ -241,6 +241,8 @@ def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_pa
     assert sorted(p.name for p in (out / "launch").iterdir()) == [
         "common.sh", "dgx-b300_tp8_single_node.sh", "dgx-b300_triton.sh", "env.sh", "mpirun.sh", "serve.sh", "srun.sh",
         "triton_rank.sh"]
+    env = (out / "launch" / "env.sh").read_text()  # the Slurm jobs' trtllm-serve --served_model_name
+    assert f"export DFLASH_SERVED_MODEL_NAME={raw['name']}" in env, env
     (model_yaml,) = (out / "triton").glob("*/1/model.yaml")  # one node: one tritonserver, TensorRT-LLM spawns workers
     triton = yaml.safe_load(model_yaml.read_text())
     assert triton["mpi"] == "spawn" and triton["triton_config"] == {"max_batch_size": 0, "decoupled": False,

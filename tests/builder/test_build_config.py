@@ -150,6 +150,7 @@ def test_dry_run_of_every_build_config(config, tmp_path, capsys):
         assert re.search(r"experts +114\.70G +MXFP4 \+ BF16 +MXFP4 \+ BF16 \(copied\) +56\.8 GiB", text), text
         assert re.search(r"attention +955\.51M +BF16 +BF16 \(copied\)", text)
         assert "trtllm-llmapi-launch trtllm-serve" in text and "--tp_size 8" in text and "--ep_size 8" in text
+        assert "--served_model_name gpt-oss-120b_dgx-b300_tp8_mxfp4" in text  # the build's name is the model id, not its path
         assert "srun --mpi=pmix" in text
     assert "trtllm-build" not in text and "engine/" not in text
 

@@ -34,6 +34,8 @@ def test_slurm_scripts_exist():
             assert "dflash_check_ranks" in text or "SLURM_NTASKS" in text
             assert "dflash_wait_healthy" in text and "--container-image" in text
             assert "dflash_check_trtllm_version" in text, "every job checks the image holds the pinned release"
+        if "trtllm-serve" in text:  # clients see the build's name as the model id, not a cluster path
+            assert '--served_model_name "${DFLASH_SERVED_MODEL_NAME}"' in text, script.name
     triton = (ROOT / "docker/slurm/dgx-b300_triton.sh").read_text()
     assert '--container-image="${DFLASH_TRITON_IMAGE}"' in triton and "triton_rank.sh" in triton
     multi = (ROOT / "docker/slurm/dgx-b300_multi_node.sh").read_text()
