@@ -45,9 +45,21 @@ def register(sub) -> None:
     o.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 @16, 5 @10, 4 @8)")
     o.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     o.add_argument("--anchors", type=int, default=16, help="anchored blocks per sequence")
+    o.add_argument("--init", choices=("random", "target"), default="random",
+                   help="drafter layers: random, or copied from the target layers after the deepest tap "
+                        "(train/warm_start.py; needs the drafter at the target's width)")
+    o.add_argument("--kd-weight", type=float, default=0.0,
+                   help="share of the loss that distills the target's top-k distribution (needs --topk)")
+    o.add_argument("--topk", type=int, default=0, help="target log-probs recorded per regenerated token (0: none)")
+    o.add_argument("--train-vocab", type=int, default=0,
+                   help="train the loss over the N most frequent data tokens only (0: full vocabulary; speed)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --work-dir")
     d = p.add_argument_group("data")
+    d.add_argument("--prompts", type=Path, action="append", default=None, metavar="JSONL",
+                   help="encoded training prompts (train/mix.py records; repeatable) instead of the built-in recipe")
+    d.add_argument("--heldout-prompts", type=Path, action="append", default=None, metavar="JSONL",
+                   help="held-out split for --heldout-every (never the evaluation sets)")
     d.add_argument("--num-prompts", type=int, default=1000, help="standard-library prompts to use")
     d.add_argument("--self-prompts", type=int, default=0, help="prompts the target writes itself (slow: batch 1)")
     d.add_argument("--max-prompt-tokens", type=int, default=384, help="drop longer prompts")
@@ -58,6 +70,9 @@ def register(sub) -> None:
     m = p.add_argument_group("monitoring")
     m.add_argument("--eval-every", type=int, default=200, help="steps between eval tau (0: off)")
     m.add_argument("--eval-tokens", type=int, default=64)
+    m.add_argument("--heldout-every", type=int, default=0,
+                   help="steps between held-out CE / block accept length (needs --heldout-prompts); "
+                        "the best drafter so far is kept in WORK_DIR/best")
     m.add_argument("--save-every", type=int, default=200)
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m.add_argument("--no-progress", action="store_true")
@@ -113,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.train.data import DataRecipe
     from dflash_trt.train.trainer import TrainConfig, Trainer
 
+    prompt_files = _prompt_files(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target_dir = args.target
@@ -121,9 +137,10 @@ def run(args: argparse.Namespace) -> int:
         from dflash_trt.models.smollm2 import ensure_default_target
 
         target_dir = ensure_default_target(cache_dir(args))
-    tokenizer = load_tokenizer(target_dir)
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise InputError(f"{target_dir} has no tokenizer with a chat template; training prompts need one")
+    if prompt_files is None:
+        tokenizer = load_tokenizer(target_dir)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise InputError(f"{target_dir} has no tokenizer with a chat template; training prompts need one")
     work = args.work_dir or args.output.with_name(args.output.name + ".work")
     config = TrainConfig(
         target=Path(target_dir), output=args.output, work_dir=work, data_dir=args.data_dir,
@@ -133,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
         grad_clip=args.grad_clip, gamma=args.gamma, batch_size=args.batch_size, anchors_per_seq=args.anchors,
         max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, max_seq_len=args.max_seq_len,
         eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
-        save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress)
+        save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress,
+        init=args.init, kd_weight=args.kd_weight, topk=args.topk, heldout_every=args.heldout_every,
+        train_vocab=args.train_vocab)
+    if prompt_files is not None:
+        return _run_on_prompt_files(config, prompt_files, args)
     recipe = DataRecipe(seed=args.seed, stdlib_limit=args.num_prompts, self_prompt_count=args.self_prompts)
     target = None
     if args.self_prompts:
@@ -153,5 +174,46 @@ def run(args: argparse.Namespace) -> int:
     evals = trainer.state.evals
     print(f"trained {trainer.state.step} steps in {trainer.state.wall_s:.0f} s; "
           f"eval tau {evals[-1][1]:.2f}" if evals else f"trained {trainer.state.step} steps", file=sys.stderr)
+    print(str(config.output))
+    return 0
+
+
+def _prompt_files(args: argparse.Namespace) -> tuple[list[Path], list[Path]] | None:
+    """(train files, held-out files) when --prompts is used; every cheap check before a model loads."""
+    held = args.heldout_prompts or []
+    if args.heldout_every and not held:
+        raise ConfigError("--heldout-every needs --heldout-prompts (a split of the training prompts)")
+    if not args.prompts:
+        if held:
+            raise ConfigError("--heldout-prompts goes with --prompts")
+        return None
+    if args.self_prompts:
+        raise ConfigError("--self-prompts builds the built-in recipe; with --prompts, put self-prompts in a prompt file")
+    for f in [*args.prompts, *held]:
+        if not f.is_file():
+            raise InputError(f"prompt file {f} does not exist" if not f.exists() else f"{f} is not a file")
+    return list(args.prompts), list(held)
+
+
+def _run_on_prompt_files(config, files: tuple[list[Path], list[Path]], args: argparse.Namespace) -> int:
+    from dflash_trt.train.mix import read_prompts
+    from dflash_trt.train.trainer import Trainer
+
+    train_files, held_files = files
+    train = [list(p.ids) for f in train_files for p in read_prompts(f)]
+    held = [list(p.ids) for f in held_files for p in read_prompts(f)]
+    if not train:
+        raise InputError(f"no prompts in {', '.join(map(str, train_files))}")
+    overlap = {tuple(x) for x in train} & {tuple(x) for x in held}
+    if overlap:
+        raise ConfigError(f"{len(overlap)} held-out prompts are also training prompts: the split must be disjoint")
+    recipe_doc = {"prompt_files": [str(f) for f in train_files], "heldout_files": [str(f) for f in held_files],
+                  "train_prompts": len(train), "heldout_prompts": len(held)}
+    trainer = Trainer(config, train, held[: args.eval_prompts], recipe_doc, heldout_prompts=held)
+    trainer.run()
+    best = trainer.state.best
+    print(f"trained {trainer.state.step} steps in {trainer.state.wall_s:.0f} s"
+          + (f"; best held-out accept length {best[1]:.3f} at step {best[0]} ({config.work_dir / 'best'})"
+             if best else ""), file=sys.stderr)
     print(str(config.output))
     return 0

@@ -158,3 +158,48 @@ def test_warm_start_rejects_a_drafter_of_another_shape(tiny):
         warm_start_from_target(narrow, target)
     with pytest.raises(ConfigError):
         warm_start_from_target(narrow, target, [9])
+
+
+# ---- the CLI drives the scaled recipe -----------------------------------------------------------
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_train_cli_on_prompt_files_with_the_levers(tmp_path):
+    """`dflash-trt train --prompts/--heldout-prompts` with warm start, distillation, a vocabulary subset
+    and held-out selection: the drafter, its recorded config and the held-out best all come out."""
+    import yaml
+
+    from dflash_trt.models.tiny import save_tiny_checkpoint
+    from dflash_trt.train.mix import EncodedPrompt, write_prompts
+
+    target, _ = save_tiny_checkpoint(tmp_path / "ckpt", num_layers=4)
+    train = [EncodedPrompt(f"t{i}", "code", "raw", tuple(p)) for i, p in enumerate(_prompts(6, seed=5))]
+    held = [EncodedPrompt(f"h{i}", "code", "raw", tuple(p)) for i, p in enumerate(_prompts(2, seed=6))]
+    write_prompts(tmp_path / "train.jsonl", train)
+    write_prompts(tmp_path / "held.jsonl", held)
+    out = tmp_path / "drafter"
+    common = ["--target", str(target), "--output", str(out), "--prompts", str(tmp_path / "train.jsonl"),
+              "--layers", "1", "--target-layer-ids", "1,2", "--block-size", "4", "--max-new-tokens", "8",
+              "--max-seq-len", "64", "--batch-size", "2", "--anchors", "2", "--no-progress"]
+    proc = _cli(*common, "--heldout-prompts", str(tmp_path / "held.jsonl"), "--heldout-every", "2", "--steps", "4",
+                "--init", "target", "--kd-weight", "0.5", "--topk", "4", "--train-vocab", "40")
+    assert proc.returncode == 0, proc.stderr
+    assert "best held-out accept length" in proc.stderr
+    cfg = yaml.safe_load((out / "training_config.yaml").read_text())["train_config"]
+    assert (cfg["init"], cfg["kd_weight"], cfg["topk"], cfg["train_vocab"], cfg["heldout_every"]) == (
+        "target", 0.5, 4, 40, 2)
+    assert (out / "model.safetensors").is_file() and (tmp_path / "drafter.work" / "best" / "config.json").is_file()
+
+    # cheap mistakes are refused before any model loads, in one line
+    for extra, message in [(["--heldout-every", "2"], "--heldout-every needs --heldout-prompts"),
+                           (["--heldout-prompts", str(tmp_path / "train.jsonl"), "--steps", "1"], "disjoint"),
+                           (["--prompts", str(tmp_path / "missing.jsonl")], "does not exist"),
+                           (["--self-prompts", "4"], "--self-prompts")]:
+        bad = _cli(*common, "--work-dir", str(tmp_path / "w2"), *extra)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (extra, bad.stderr)
