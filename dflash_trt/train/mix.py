@@ -43,7 +43,8 @@ def build_mix(sources: dict[str, list[Prompt]], quotas: dict[str, int], tokenize
     rng.shuffle(kept)
     taken: dict[str, int] = {}
     chosen: list[EncodedPrompt] = []
-    too_long = 0
+    seen: set[tuple[int, ...]] = set()  # two sources can give the same text: one copy, so the split stays disjoint
+    too_long = duplicates = 0
     for p in kept:
         if taken.get(p.category, 0) >= quotas.get(p.category, 0):
             continue
@@ -54,11 +55,15 @@ def build_mix(sources: dict[str, list[Prompt]], quotas: dict[str, int], tokenize
         if len(ids) > max_prompt_tokens or len(ids) < 2:
             too_long += 1
             continue
+        if tuple(ids) in seen:
+            duplicates += 1
+            continue
+        seen.add(tuple(ids))
         taken[p.category] = taken.get(p.category, 0) + 1
         chosen.append(EncodedPrompt(p.id, p.category, p.kind, tuple(ids)))
     if len(chosen) <= held_out:
         raise ConfigError(f"only {len(chosen)} prompts survived the filters; need more than {held_out}")
-    report = {"per_category": dict(sorted(taken.items())), "dropped_too_long": too_long,
+    report = {"per_category": dict(sorted(taken.items())), "dropped_too_long": too_long, "dropped_duplicates": duplicates,
               "exclusion": {k: v for k, v in exclusion.to_dict().items() if k != "dropped_ids"},
               "held_out": held_out, "max_prompt_tokens": max_prompt_tokens, "seed": seed}
     return chosen[held_out:], chosen[:held_out], report
@@ -82,3 +87,33 @@ def read_prompts(path: Path) -> list[EncodedPrompt]:
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{path}:{n}: not a prompt record ({exc})") from exc
     return out
+
+
+DEFAULT_QUOTAS: dict[str, int] = {
+    "code-complete": 2400, "code-continue": 800, "code-write": 700, "code-explain": 500,
+    "stdlib-write": 350, "stdlib-explain": 350, "stdlib-tests": 100, "self-chat": 1200,
+}
+
+
+def prompt_sources(tokenizer, target, *, seed: int, self_prompts: int, code_packages: tuple[str, ...] | None = None,
+                   progress: bool = True) -> dict[str, list[Prompt]]:
+    """Every offline prompt source, by name: installed code (train/corpus.py), the standard library
+    (prompts.stdlib_prompts) and, when `self_prompts` > 0, chat turns the target writes itself
+    (train/selfprompt.py, batched on our engine). `code_packages`: the site-packages to read (None:
+    corpus.DEFAULT_SITE_PACKAGES; the standard library is always read). The eval filter is `build_mix`'s job."""
+    from dflash_trt.prompts import stdlib_prompts
+    from dflash_trt.train.corpus import CodeCorpusRecipe, code_prompts
+
+    recipe = CodeCorpusRecipe(seed=seed) if code_packages is None else CodeCorpusRecipe(seed=seed, packages=code_packages)
+    sources = {"code": code_prompts(recipe),
+               "stdlib": stdlib_prompts(seed, exclude_names=humaneval_entry_points())}
+    if self_prompts:
+        from dflash_trt.engine import EngineConfig
+        from dflash_trt.runtime.factory import torch_engine
+        from dflash_trt.train.selfprompt import SelfPromptRecipe, self_prompts_batched
+
+        self_recipe = SelfPromptRecipe(count=self_prompts, seed=seed)
+        engine = torch_engine(target, None, EngineConfig(speculative=False, max_batch_size=self_recipe.batch_size,
+                                                         max_seq_len=512))
+        sources["self"] = self_prompts_batched(engine, tokenizer, self_recipe, progress=progress)
+    return sources

@@ -15,6 +15,8 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from dflash_trt.engine import SamplingParams
 from dflash_trt.prompts import Prompt
 from dflash_trt.errors import ConfigError, InputError
@@ -58,10 +60,11 @@ def user_header(tokenizer) -> str:
     return text.split(PLACEHOLDER)[0]
 
 
-def self_prompts_batched(engine, tokenizer, recipe: SelfPromptRecipe) -> list[Prompt]:
+def self_prompts_batched(engine, tokenizer, recipe: SelfPromptRecipe, progress: bool = False) -> list[Prompt]:
     """`recipe.count` unique cleaned prompts sampled from the target on `engine` (a
     speculative-off engine with max_batch_size >= recipe.batch_size)."""
     header = user_header(tokenizer)
+    bar = tqdm(total=recipe.count, desc="self-prompts", unit="prompt", disable=not progress)
     rng = random.Random(recipe.seed)
     seen: set[tuple[str, ...]] = set()
     out: list[Prompt] = []
@@ -81,6 +84,8 @@ def self_prompts_batched(engine, tokenizer, recipe: SelfPromptRecipe) -> list[Pr
                 continue
             seen.add(key)
             out.append(Prompt(f"self/{len(out)}", "self-chat", text, "chat"))
+            bar.update(1)
             if len(out) >= recipe.count:
                 break
+    bar.close()
     return out
