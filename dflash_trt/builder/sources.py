@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.builder.config import SOURCE_ALIASES, BuildConfig
-from dflash_trt.checkpoint.layout import TensorSpec, expert_format_of, float_dtype_of, read_specs
+from dflash_trt.checkpoint.layout import (TensorSpec, check_unscaled_drafter, expert_format_of, float_dtype_of,
+                                         read_specs)
 from dflash_trt.config import (DrafterConfig, TargetInfo, check_block_size, check_drafter_matches_target,
                                check_target_layer_ids)
 from dflash_trt.errors import CheckpointError, ConfigError
@@ -114,6 +115,11 @@ def check_against_real(cfg: BuildConfig, src: Sources) -> None:
         limit = src.target_config.max_position_embeddings
         if cfg.max_seq_len > limit:
             raise ConfigError(f"max_seq_len {cfg.max_seq_len} exceeds the target's max_position_embeddings {limit}")
+    if src.drafter_tensors is not None and cfg.backend.startswith("trtllm"):
+        try:  # the drafter stage writes it BF16 for TensorRT-LLM: only a float source can be cast
+            check_unscaled_drafter(src.drafter_path, list(src.drafter_tensors))
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
     if src.drafter_config is not None:
         d = src.drafter_config
         check_block_size(cfg.max_draft_len + 1, d.block_size, str(src.drafter_path))

@@ -80,6 +80,37 @@ def read_specs(directory: Path, files: list[Path] | None = None) -> list[TensorS
     return specs
 
 
+QUANT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")  # ModelOpt FP8 / NVFP4 scales
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def quantized_names(specs: list[TensorSpec]) -> list[str]:
+    """Tensors only a quantized (ModelOpt FP8 / NVFP4) checkpoint holds: scales and FP8 codes."""
+    return [s.name for s in specs if s.name.endswith(QUANT_SCALE_SUFFIXES) or s.dtype in FP8_DTYPES]
+
+
+def check_unscaled_drafter(directory: Path, specs: list[TensorSpec] | None = None) -> None:
+    """CheckpointError (one line) when the DFlash drafter in `directory` is quantized: TensorRT-LLM's
+    DFlash draft model cannot run it.
+
+    Checked in upstream NVIDIA/TensorRT-LLM `tensorrt_llm/_torch/models/modeling_dflash.py` @
+    009d8fa431bd3de92245aab80f8b57dc70da1ac4: `DFlashForCausalLM._build_fused_kv_buffers` slices
+    the K/V rows of every layer's raw `qkv_proj.weight` into one fused context-K/V weight and
+    `precompute_context_kv` multiplies by it (`F.linear`) with no weight scale, so FP8 / NVFP4 codes
+    would be used as if they were the weights. Casting such a checkpoint to BF16 does not help
+    either (the codes stay codes): the deployment needs the float drafter it was quantized from.
+    `specs`: the drafter's tensors when the caller has read them (else its headers are read)."""
+    directory = Path(directory)
+    marker = directory / "hf_quant_config.json"
+    names = quantized_names(read_specs(directory) if specs is None else specs)
+    if marker.is_file() or names:
+        what = f"{marker.name}" if marker.is_file() else f"{len(names)} quantization tensors such as {names[0]}"
+        raise CheckpointError(
+            f"drafter {directory} is quantized ({what}): TensorRT-LLM's DFlash draft model multiplies the raw "
+            "q/k/v weights with no scale, so it needs the BF16 (unquantized) drafter this one was made from; "
+            "FP8 drafters run on the torch backend only")
+
+
 _GROUPS = [  # (group, pattern on the HF name), first match wins
     ("experts", re.compile(r".*\.mlp\.experts\..*")),
     ("router", re.compile(r".*\.mlp\.router\..*")),
@@ -188,5 +219,5 @@ def expert_format_of(specs: list[TensorSpec]) -> str | None:
     return "mxfp4" if any(n.endswith("_blocks") for n in names) else "float"
 
 
-__all__ = ["DTYPE_BYTES", "GROUP_ORDER", "TensorSpec", "drafter_specs", "expert_format_of", "float_dtype_of",
-           "group_of", "header_bytes", "read_specs", "target_specs"]
+__all__ = ["DTYPE_BYTES", "GROUP_ORDER", "TensorSpec", "check_unscaled_drafter", "drafter_specs", "expert_format_of",
+           "float_dtype_of", "group_of", "header_bytes", "quantized_names", "read_specs", "target_specs"]

@@ -233,8 +233,12 @@ def load_trtllm(load: LoadConfig, options: TrtllmOptions, api: TrtllmApi | None 
         raise ConfigError("--target-backend hf is a torch-backend option: drop it with --backend trtllm")
     from dflash_trt.models.target import load_hf_config
 
-    if load.drafter is not None and not (Path(load.drafter) / "config.json").is_file():
-        raise CheckpointError(f"drafter directory {load.drafter} has no config.json")
+    if load.drafter is not None:
+        if not (Path(load.drafter) / "config.json").is_file():
+            raise CheckpointError(f"drafter directory {load.drafter} has no config.json")
+        from dflash_trt.checkpoint.layout import check_unscaled_drafter
+
+        check_unscaled_drafter(Path(load.drafter))  # TensorRT-LLM's DFlash drafter runs unscaled weights
     info = TargetInfo.from_hf_config(load_hf_config(Path(load.target)))
     log.info("trtllm backend: TensorRT-LLM picks the weights' dtype itself (dtype %s applies to the torch backend)",
              load.dtype)

@@ -257,6 +257,32 @@ def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_pa
         assert abs(blind.stage(stage).est_bytes - real) <= 0.15 * real, (stage, blind.stage(stage).est_bytes, real)
 
 
+def test_trtllm_build_refuses_an_already_quantized_drafter(built, tmp_path):
+    """drafter.quantization none with an FP8 drafter source: the TensorRT-LLM drafter stage would
+    cast the e4m3 codes to BF16 and keep their scales beside them, a drafter upstream multiplies
+    unscaled (_torch/models/modeling_dflash.py). The build stops before any stage, in one line."""
+    from dflash_trt.checkpoint.modelopt_hf import write_drafter
+    from dflash_trt.errors import ConfigError
+    from dflash_trt.models.target import load_hf_config
+    from dflash_trt.models.tiny import build_tiny_drafter
+
+    _, _, tiny = built
+    drafter = build_tiny_drafter(load_hf_config(tiny / "target"), num_layers=1, block_size=10, mask_token_id=4)
+    fp8 = write_drafter(drafter, tmp_path / "drafter-fp8", "FP8")
+    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml").read_text())
+    raw["target"] = yaml.safe_load(TINY.read_text())["target"]
+    raw["drafter"] = {"path": str(fp8), "num_hidden_layers": 1, "quantization": "none"}
+    raw["parallel"] = {"tp": 2, "ep": 2, "pp": 1, "ranks": 2, "gpus_per_node": 8, "nodes": 1}
+    raw.update(max_seq_len=1024, max_draft_len=9, max_num_tokens=1024)
+    cfg = tmp_path / "fp8-drafter.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="is quantized .* needs the BF16 \\(unquantized\\) drafter") as info:
+        build(cfg, BuildOptions(output=out, progress=False, tiny_gpt_oss=tiny))
+    assert "\n" not in str(info.value)
+    assert not out.exists() and not (tmp_path / "out.build-cache").exists()
+
+
 def test_quantized_dense_build_matches_its_estimates(tmp_path):
     """A torch-backend FP8 Qwen3 target with an FP8 drafter and TP2 legacy shards, built for real:
     every stage's dry-run estimate is within 5% of what it wrote, and the FP8 drafter is a torch

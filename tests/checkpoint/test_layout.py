@@ -104,3 +104,21 @@ def test_gpt_oss_exclusions_match_tensorrt_llm_runtime_modules(tmp_path):
                             "model.block.0.attn.qkv_proj", "model.block.0.attn.o_proj")
                 if any(fnmatchcase(m, p) for p in patterns)}
     assert excluded == {"model.block.0.mlp.experts", "model.block.0.mlp.gate", "model.embedding"}
+
+
+def test_a_quantized_drafter_is_refused_for_tensorrt_llm(tmp_path):
+    """TensorRT-LLM's DFlash draft model multiplies the raw q/k/v weights with no scale
+    (_torch/models/modeling_dflash.py), so only a float drafter may be deployed there: an FP8
+    drafter is refused by its hf_quant_config.json, and by its scale tensors when that file is gone."""
+    from dflash_trt.checkpoint.layout import check_unscaled_drafter
+    from dflash_trt.checkpoint.modelopt_hf import write_drafter
+    from dflash_trt.models.drafter import DFlashDrafter
+
+    _, drafter = save_tiny_checkpoint(tmp_path, "qwen3")
+    check_unscaled_drafter(drafter)  # the float drafter passes
+    fp8 = write_drafter(DFlashDrafter.from_pretrained(drafter), tmp_path / "fp8", "FP8")
+    with pytest.raises(CheckpointError, match=r"is quantized \(hf_quant_config.json\).*no scale"):
+        check_unscaled_drafter(fp8)
+    (fp8 / "hf_quant_config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"quantization tensors such as .*weight_scale"):
+        check_unscaled_drafter(fp8)

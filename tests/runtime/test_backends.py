@@ -205,6 +205,18 @@ def test_the_drafter_attention_backend_follows_the_gpu(capability, requested, ex
             dflash_attention_backend(capability, requested)
 
 
+def test_the_trtllm_backend_refuses_a_quantized_drafter(ckpt, tmp_path):
+    """TensorRT-LLM's DFlash draft model runs unscaled weights: --backend trtllm with an FP8
+    drafter stops before any LLM is made, saying what to use."""
+    from dflash_trt.checkpoint.modelopt_hf import write_drafter
+    from dflash_trt.errors import CheckpointError
+    from dflash_trt.models.drafter import DFlashDrafter
+
+    fp8 = write_drafter(DFlashDrafter.from_pretrained(ckpt[1]), tmp_path / "fp8", "FP8")
+    with pytest.raises(CheckpointError, match="needs the BF16 \\(unquantized\\) drafter"):
+        load_trtllm(LoadConfig(ckpt[0], fp8), TrtllmOptions(), api=FAKE_API)
+
+
 def test_max_draft_len_must_fit_the_drafter_block(ckpt):
     """Upstream's DFlashWorker refuses max_draft_len + 1 > the drafter's block_size."""
     drafter = DrafterConfig.load(ckpt[1])
