@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash_trt.fileio import atomic_directory, write_json, write_safetensors
+from dflash_trt.fileio import atomic_directory, check_state_dict, write_json, write_safetensors
 from dflash_trt.checkpoint.provenance import PROVENANCE_FILE, make_provenance
 from dflash_trt.checkpoint.quantized import plan_for, quantize_state
 from dflash_trt.checkpoint.mapping import Mapping
@@ -169,6 +169,7 @@ def load_merged(directory: Path, dtype: torch.dtype = torch.float32):
     state = unshard_state(read_ranks(directory, m.tp_size), g, m)
     algo = algo_of_state(state)
     if algo is None:
+        check_state_dict(state, model.state_dict(), f"legacy checkpoint {directory} (per its dflash_trt.source_config)")
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
         return model.eval()
     return load_quantized_state(model, state, algo, str(directory))

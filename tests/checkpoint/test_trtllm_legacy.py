@@ -103,3 +103,13 @@ def test_bad_sizes_and_broken_checkpoints(tmp_path, models):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="supported"):
         tl.load_merged(out)
+
+
+def test_merged_tensors_that_do_not_fit_the_config_are_a_checkpoint_error(tmp_path, models):
+    """The one strict state-dict check (fileio.check_state_dict) also guards the legacy loader."""
+    out = tl.write_checkpoint(models["llama"][0], tmp_path / "t", None, tp=1, dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dflash_trt"]["source_config"]["intermediate_size"] //= 2
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"legacy checkpoint .* tensor model.layers.0.mlp.\w+_proj.weight has shape"):
+        tl.load_merged(out)

@@ -61,12 +61,13 @@ def target_cfg():
     return tiny_target_config("qwen3", num_layers=6)
 
 
-@pytest.mark.parametrize("layers,taps", [(1, [1, 3]), (2, [0, 2, 5]), (3, [4])])
-def test_cached_forward_matches_naive_computation(target_cfg, layers, taps):
+@pytest.mark.parametrize("layers,target_layer_ids", [(1, [1, 3]), (2, [0, 2, 5]), (3, [4])])
+def test_cached_forward_matches_naive_computation(target_cfg, layers, target_layer_ids):
     """Context fed in two pieces through the cache (as the loop does) == one naive pass."""
-    drafter = build_tiny_drafter(target_cfg, seed=layers, dtype=torch.float64, num_layers=layers, target_layer_ids=taps)
+    drafter = build_tiny_drafter(target_cfg, seed=layers, dtype=torch.float64, num_layers=layers,
+                                 target_layer_ids=target_layer_ids)
     g = torch.Generator().manual_seed(0)
-    feats = torch.randn(9, len(taps) * 64, generator=g, dtype=torch.float64)
+    feats = torch.randn(9, len(target_layer_ids) * 64, generator=g, dtype=torch.float64)
     blocks = [torch.randn(8, 64, generator=g, dtype=torch.float64) for _ in range(2)]
     cache = drafter.new_cache(1, 64)
     cache.add_rows(1)

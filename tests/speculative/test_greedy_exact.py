@@ -25,15 +25,15 @@ def arch_models(request):
     return hf, native_from_hf(hf), ref
 
 
-# (block size, drafter layers, taps)
+# (block size, drafter layers, target_layer_ids)
 CASES = [(2, 1, [2]), (4, 2, [0, 3]), (8, 1, [1, 3, 5]), (16, 3, [5]), (5, 2, [1, 2])]
 
 
-@pytest.mark.parametrize("block,layers,taps", CASES)
-def test_dflash_equals_target_greedy(arch_models, block, layers, taps):
+@pytest.mark.parametrize("block,layers,target_layer_ids", CASES)
+def test_dflash_equals_target_greedy(arch_models, block, layers, target_layer_ids):
     hf, native, ref = arch_models
-    drafter = build_tiny_drafter(hf.config, seed=block, dtype=torch.float64, num_layers=layers, target_layer_ids=taps,
-                                 block_size=block)
+    drafter = build_tiny_drafter(hf.config, seed=block, dtype=torch.float64, num_layers=layers,
+                                 target_layer_ids=target_layer_ids, block_size=block)
     engine = DFlashEngine(native, drafter, EngineConfig(max_seq_len=128, max_batch_size=2))
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [r.tokens for r in results] == ref
