@@ -101,6 +101,7 @@ def unloadable(ckpt, tmp_path_factory):
     (["--top-p", "2"], "top_p"),
     (["--max-seq-len", "1"], "max_seq_len must be >= 2"),
     (["--tp", "0"], "--tp must be >= 1"),
+    (["--chat"], "--chat wraps --prompt text"),  # with --prompt-ids it would do nothing
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_generate_checks_its_flags_before_loading_a_model(unloadable, extra, message):
     target, drafter = unloadable
@@ -132,6 +133,22 @@ def test_serve_checks_its_flags_before_loading_a_model(unloadable, extra, messag
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("config,message", [
+    ("max_batch_size: 0", "max_batch_size: Input should be greater than or equal to 1"),
+    ("max_seq_len: 1", "max_seq_len: Input should be greater than or equal to 2"),
+    ("max_num_tokens: 0", "max_num_tokens: Input should be greater than or equal to 1"),
+    ("speculative_config: {decoding_type: DFlash, max_draft_len: 15}", "exceeds the block size 8 the drafter"),
+    ("bogus_key: 1", "unknown key 'bogus_key'"),
+], ids=lambda x: x.split(":")[0] if " " in x else None)
+def test_serve_checks_its_config_file_before_loading_a_model(unloadable, tmp_path, config, message):
+    target, drafter = unloadable
+    path = tmp_path / "options.yaml"
+    path.write_text(config + "\n")
+    proc = cli("serve", str(target), "--drafter", str(drafter), "--config", str(path), check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_serve_on_a_busy_port_says_so_before_loading(unloadable):
     target, drafter = unloadable
     with socket.socket() as busy:
@@ -155,6 +172,22 @@ def test_target_paths_are_checked_first_and_precisely(ckpt, tmp_path):
     # a missing target is reported before the missing --drafter
     proc = cli("generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1", check=False)
     assert proc.returncode == 2 and "nope does not exist" in proc.stderr and "--drafter" not in proc.stderr
+
+
+def test_a_build_directory_given_as_the_target_says_which_folder_to_pass(tmp_path):
+    """`dflash-trt serve DIR` on a build's output (its manifest.json names the build): one line naming
+    DIR/target, DIR/drafter and DIR/launch/serve.sh, not '--drafter is required'."""
+    from dflash_trt.builder.manifest import FORMAT, MANIFEST
+
+    build = tmp_path / "b-cpu-default"
+    build.mkdir()
+    (build / MANIFEST).write_text(json.dumps({"format": FORMAT, "name": "cpu-default"}))
+    for argv in (["serve", str(build)], ["generate", "--target", str(build), "--prompt-ids", "1"]):
+        proc = cli(*argv, check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert f"{build} is the build directory of 'cpu-default'" in proc.stderr
+        assert f"pass {build / 'target'} (with --drafter {build / 'drafter'})" in proc.stderr
+        assert str(build / "launch" / "serve.sh") in proc.stderr
 
 
 def test_max_seq_len_defaults_to_the_targets_context(ckpt):
@@ -195,6 +228,21 @@ def test_block_size_above_the_drafters_is_an_error_in_every_command(ckpt, tmp_pa
     for command, proc in runs.items():
         assert proc.returncode == 2, (command, proc.stderr)
         assert "exceeds the block size 8 the drafter" in proc.stderr and "Traceback" not in proc.stderr, command
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--block-size", "16"], "exceeds the block size 8 the drafter"),  # the shipped drafter is block 8
+    (["--block-size", "0"], "block_size must be in [1, 64]"),
+    (["--draft-confidence", "1.5"], "draft_confidence must be in [0, 1)"),
+    (["--tiny", "--drafter", "."], "--drafter does nothing with --tiny"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_demo_checks_its_flags_before_loading_the_default(tmp_path, extra, message):
+    """An empty --cache-dir stays empty: the embedded default was neither converted nor loaded."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    proc = cli("demo", "--cache-dir", str(cache), *extra, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and list(cache.iterdir()) == []
 
 
 def test_help_lists_the_json_keys_and_every_default():

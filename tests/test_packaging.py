@@ -23,3 +23,12 @@ def test_metadata_uses_the_spdx_license_string_and_builds_without_warnings(tmp_p
     assert "Deprecat" not in output and "license" not in output.lower(), output
     metadata = (meta / proc.stdout.strip().splitlines()[-1] / "METADATA").read_text()
     assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_readme_states_what_a_new_user_must_know():
+    """Issue 17: the embedded default is the Q4_1 GGUF dequantized (its answers are not the HF
+    weights'), and re-running a build into an existing directory needs --force."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "**Q4_1 GGUF** quantization of SmolLM2-135M-Instruct, dequantized to float32" in text
+    assert "differ from those of the original Hugging Face" in text
+    assert "re-run needs `--force`" in text

@@ -29,6 +29,7 @@ import numpy as np
 SCHEMA_VERSION = 1
 MIN_PROMPTS = 10  # a summary over fewer prompts gets a noise warning
 DOMINANT_SHARE = 0.5  # ... and so does one where a single prompt takes more than this share of the time
+# (and more than twice its even share 1/n: of two similar prompts one always takes over half)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def noise_warnings(records: list[dict], prompts_per_dataset: dict[str, int]) -> 
     for (mode, ds), rs in groups.items():
         total = sum(r["time_s"] for r in rs)
         top = max(rs, key=lambda r: r["time_s"])
-        if len(rs) > 1 and total > 0 and top["time_s"] > DOMINANT_SHARE * total:
+        share = max(DOMINANT_SHARE, 2 / len(rs))
+        if len(rs) > 1 and total > 0 and top["time_s"] > share * total:
             out.append(f"{ds}/{mode}: prompt {top['prompt_id']} takes {top['time_s'] / total:.0%} of the time, so "
                        "the summary mostly measures that one prompt")
     return out

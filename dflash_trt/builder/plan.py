@@ -25,6 +25,8 @@ from dflash_trt.builder.sources import Sources, human_bytes
 from dflash_trt.checkpoint.modelopt_hf import COPIED_FILES
 
 CACHED_STAGES = ("target", "drafter", "shard")
+# source aliases `dflash-trt build` writes into its cache dir when they are missing (commands/build.py)
+WRITTEN_BY_THE_BUILD = ("@default", "@tiny-gpt-oss", "@tiny-gpt-oss-drafter")
 ASSEMBLY_STAGES = ("triton", "deploy", "manifest")
 MODELOPT_COPIED = ("config.json", *COPIED_FILES)  # what a quantized target stage copies besides the weights
 
@@ -155,6 +157,15 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def _found(exists: bool, path: str) -> str:
+    """'found', or what the build does about a missing source (it writes @default / @tiny-gpt-oss* itself)."""
+    if exists:
+        return "found"
+    if path in WRITTEN_BY_THE_BUILD:
+        return f"not written yet ({path}: the build writes it first)"
+    return "NOT FOUND here (checked when building)"
+
+
 def format_plan(plan: BuildPlan) -> str:
     cfg, src = plan.config, plan.sources
     lines = [
@@ -162,8 +173,8 @@ def format_plan(plan: BuildPlan) -> str:
         _layout_line(cfg),
         f"  target  {src.target_path} [{cfg.target.architecture}, {cfg.target.num_hidden_layers} layers"
         f"{f', {cfg.target.num_experts} experts' if cfg.is_moe else ''}] "
-        f"{'found' if src.target_exists else 'NOT FOUND here (checked when building)'}",
-        f"  drafter {src.drafter_path} {'found' if src.drafter_exists else 'NOT FOUND here (checked when building)'}",
+        f"{_found(src.target_exists, cfg.target.path)}",
+        f"  drafter {src.drafter_path} {_found(src.drafter_exists, cfg.drafter.path)}",
         f"  limits: max_batch_size {cfg.max_batch_size}, max_seq_len {cfg.max_seq_len}, "
         f"max_draft_len {cfg.max_draft_len}, kv_cache_dtype {cfg.kv_cache_dtype}",
         "stages:",

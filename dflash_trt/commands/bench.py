@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.prompt_lookup_tokens is not None and args.prompt_lookup_tokens < 1:
+        raise InputError(f"--prompt-lookup-tokens must be >= 1, got {args.prompt_lookup_tokens}")
     ecfg = None if args.endpoint else check_model_flags(args)  # before any model is loaded
     prompts = load_prompts(cfg.datasets, cfg.limit)
     cfg = replace(cfg, concurrency=cfg.sweep_levels(len(prompts)))

@@ -71,6 +71,7 @@ def drafter_dir(args: argparse.Namespace) -> Path | None:
     with --no-spec. The target directory is checked first (a wrong --target is the first thing to say)."""
     if args.target is not None:
         require_dir(args.target, "target directory")
+        _refuse_build_root(Path(args.target))
     if args.no_spec:
         return None
     if args.drafter is not None:
@@ -80,6 +81,16 @@ def drafter_dir(args: argparse.Namespace) -> Path | None:
             raise ConfigError(f"the shipped drafter is missing at {SHIPPED_DRAFTER}; pass --drafter or --no-spec")
         return SHIPPED_DRAFTER
     raise ConfigError("--drafter is required with --target (or pass --no-spec for autoregressive decoding)")
+
+
+def _refuse_build_root(target: Path) -> None:
+    """A `dflash-trt build` output directory given where its target/ belongs: say how to use it."""
+    from dflash_trt.builder.manifest import build_name
+
+    name = build_name(target)
+    if name is not None:
+        raise ConfigError(f"{target} is the build directory of '{name}', not a checkpoint: pass {target / 'target'} "
+                          f"(with --drafter {target / 'drafter'}), or serve it with {target / 'launch' / 'serve.sh'}")
 
 
 def load_config(args: argparse.Namespace) -> LoadConfig:

@@ -16,10 +16,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_trt.commands.common import cache_dir, load_config
+from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
+from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
 
+TINY_BLOCK_SIZE = 8  # the --tiny drafter's trained block
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
 
 
@@ -48,6 +50,17 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty")
+    # the engine values and the block size against the drafter's config.json, before a model is loaded
+    EngineConfig(block_size=args.block_size, draft_confidence=args.draft_confidence or 0.0)
+    if args.tiny:
+        if args.drafter is not None:
+            raise ConfigError("--drafter does nothing with --tiny (it builds its own random drafter): drop one of them")
+        drafter, trained = "of --tiny", TINY_BLOCK_SIZE
+    else:
+        drafter = drafter_dir(args)
+        trained = DrafterConfig.load(drafter).block_size
+    if args.block_size is not None:
+        check_block_size(args.block_size, trained, str(drafter))
 
 
 def _tiny_models(args):
@@ -58,7 +71,7 @@ def _tiny_models(args):
     from dflash_trt.runtime.factory import LoadConfig, TorchModels
 
     hf = build_tiny_target("llama", seed=0)
-    drafter = build_tiny_drafter(hf.config, seed=0, num_layers=1, block_size=8)
+    drafter = build_tiny_drafter(hf.config, seed=0, num_layers=1, block_size=TINY_BLOCK_SIZE)
     load = LoadConfig(target=cache_dir(args), drafter=None)
     return TorchModels(load=load, target=native_from_hf(hf, torch.float32), drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
 

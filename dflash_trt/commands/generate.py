@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     tp = tp_config(args)
     params = sampling_params(args)
     check_prompt(args.prompt, args.prompt_ids)
+    if args.chat and args.prompt_ids is not None:
+        raise InputError("--chat wraps --prompt text in the chat template and does nothing with --prompt-ids: "
+                         "drop --chat, or pass the message as --prompt")
     if args.backend == "torch" and args.tp != 1:
         from dflash_trt.runtime.mpi import tp_main
 

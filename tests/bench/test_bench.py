@@ -209,6 +209,7 @@ def test_no_spec_skips_drafter_modes(tiny, tmp_path):
     (["--modes", "dflash,nope"], "unknown modes"),
     (["--dataset", "squad"], "unknown dataset"),
     (["--limit", "0"], "--limit"),
+    (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be >= 1"),
 ])
 def test_bad_flags_are_user_errors(tiny, tmp_path, capsys, flags, message):
     assert bench(tiny, tmp_path, *flags) == 2
@@ -246,6 +247,10 @@ def test_noise_warnings_name_a_dominant_prompt():
     [warning] = noise_warnings([rec(str(i), 1.0) for i in range(11)] + [rec("slow", 12.0)], many)
     assert "d/dflash: prompt slow takes 52% of the time" in warning
     assert "fewer than 10" in noise_warnings([], {"d": 3})[0]
+    # two or three similar prompts: one of them always takes half the time, which is no dominance
+    assert noise_warnings([rec("a", 1.1), rec("b", 0.9)], many) == []
+    assert noise_warnings([rec("a", 1.2), rec("b", 1.0), rec("c", 0.9)], many) == []
+    assert "prompt a takes 80%" in noise_warnings([rec("a", 8.0), rec("b", 1.0), rec("c", 1.0)], many)[0]
 
 
 @pytest.mark.parametrize("got, want, index", [

@@ -101,7 +101,7 @@ def _write_checkpoint_configs(root: Path, **drafter_overrides) -> tuple[Path, di
     ({"target_layer_ids": [1, 9]}, {}, "outside the target's 6 layers"),
     ({"mask_token_id": 999}, {}, "mask_token_id 999 is outside"),
     ({"num_target_layers": 12, "target_layer_ids": [1, 3]}, {}, "12 layers"),
-    ({}, {"max_draft_len": 9}, "block_size 8 - 1 = 7"),
+    ({}, {"max_draft_len": 9}, r"max_draft_len 9\) exceeds the block size 8 .* lower max_draft_len to at most 7"),
     ({}, {"target": {"num_hidden_layers": 8}}, "num_hidden_layers: YAML 8, config.json 6"),
     ({}, {"max_seq_len": 4096}, "max_position_embeddings"),
 ])
@@ -207,3 +207,15 @@ def test_calibration_counts_are_consistent_across_build_configs():
         quantizes = cfg.target.quantization in ("fp8", "nvfp4") or cfg.drafter.quantization != "none"
         assert cfg.calibration_samples == default, path.name
         assert quantizes or "calibration_samples" not in raw, path.name
+
+
+def test_dry_run_on_a_fresh_clone_says_the_build_writes_its_tiny_sources(tmp_path, capsys):
+    """From a fresh clone (empty cache dir) the tiny gpt-oss plan does not claim its sources are
+    missing: `dflash-trt build` writes @tiny-gpt-oss and its drafter first (issue 17, item 11)."""
+    config = CONFIGS / "tiny-gpt-oss_cpu_tp2_mxfp4.yaml"
+    assert main(["build", str(config), "--output", str(tmp_path / "out"), "--dry-run",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+    text = capsys.readouterr().out
+    assert "NOT FOUND" not in text
+    assert "not written yet (@tiny-gpt-oss: the build writes it first)" in text
+    assert "not written yet (@tiny-gpt-oss-drafter: the build writes it first)" in text

@@ -197,3 +197,31 @@ def test_endpoint_load_generation_against_the_server(server):
     assert point["requests"] == 8 and point["tokens"] == 64 and point["token_count_source"] == "usage"
     assert 0 < point["ttft_s"]["p50"] <= point["ttft_s"]["p99"] and 0 <= point["itl_s"]["p50"] <= point["itl_s"]["p99"]
     assert point["tau"] >= 1.0
+
+def test_serve_defaults_max_seq_len_to_a_short_targets_context(tmp_path):
+    """Issue 17: a target with 512 positions is served without --max-seq-len (the default is the
+    target's context, not 2048), and its whole context is usable."""
+    import subprocess
+
+    import httpx
+    from serve_helpers import cli, free_port, wait_healthy
+
+    from dflash_trt.models.tiny import save_tiny_checkpoint
+
+    target, drafter = save_tiny_checkpoint(tmp_path / "short", "llama", block_size=BLOCK_SIZE,
+                                           max_position_embeddings=512)
+    log, port = tmp_path / "server.log", free_port()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cli("serve", str(target), "--drafter", str(drafter), "--port", str(port),
+                                    "--log-level", "warning"), stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log)
+        [model] = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert model["id"] == str(target) and model["max_model_len"] == 512
+        body = {"model": model["id"], "prompt": [3, 80, 81], "max_tokens": 509, "temperature": 0, **EXT}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert len(reply["choices"][0]["token_ids"]) == 509, reply  # 3 + 509 = the whole context
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
