@@ -15,7 +15,7 @@ import sys
 from dflash_trt import __version__
 from dflash_trt.errors import DFlashError
 
-COMMANDS = ("generate", "demo", "bench", "serve", "triton", "build", "train", "train-prompts", "quantize")
+COMMANDS = ("generate", "demo", "bench", "serve", "triton", "build", "train", "train-prompts", "train-report", "quantize")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

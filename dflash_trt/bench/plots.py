@@ -91,3 +91,27 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     acceptance_plot(curves, out_dir / "acceptance.png", f"Acceptance per position: {title}")
     names.append("acceptance.png")
     return names
+
+
+def training_curves_plot(runs: dict[str, list[tuple[int, int, float]]], path: Path, title: str) -> Path:
+    """Held-out block acceptance length of drafter training runs: against optimizer steps (left) and
+    against anchored blocks seen (right). runs[label] = [(step, blocks seen, accept length)]."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
+    try:
+        for label, points in runs.items():
+            pts = sorted(points)
+            axes[0].plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
+            axes[1].plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
+        axes[0].set_xlabel("optimizer steps")
+        axes[1].set_xlabel("anchored blocks seen (steps x sequences x anchors)")
+        axes[0].set_ylabel("held-out acceptance length (tau, drafts as-is)")
+        for ax in axes:
+            ax.grid(True, alpha=0.3)
+        if runs:
+            axes[0].legend(fontsize=8)
+        fig.suptitle(title)
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return path

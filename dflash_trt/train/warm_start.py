@@ -34,10 +34,10 @@ def default_source_layers(num_target_layers: int, deepest_tap: int, num_draft_la
 def warm_start_from_target(drafter, target, source_layers: list[int] | None = None) -> list[int]:
     """Copy target layers into `drafter` in place (see the module docstring); returns the layers used."""
     cfg = drafter.cfg
-    taps = list(cfg.target_layer_ids)
+    target_layer_ids = list(cfg.target_layer_ids)
     t_layers = target.model.layers
     if source_layers is None:
-        source_layers = default_source_layers(len(t_layers), max(taps), len(drafter.layers))
+        source_layers = default_source_layers(len(t_layers), max(target_layer_ids), len(drafter.layers))
     if len(source_layers) != len(drafter.layers) or not all(0 <= s < len(t_layers) for s in source_layers):
         raise ConfigError(f"source layers {source_layers} do not fit {len(drafter.layers)} draft layers "
                           f"of a {len(t_layers)}-layer target")
@@ -57,7 +57,7 @@ def warm_start_from_target(drafter, target, source_layers: list[int] | None = No
               f"layers.{i}.post_attention_layernorm")
     _copy(drafter.norm.weight, target.model.norm.weight, "norm")
     hidden = cfg.hidden_size
-    deepest = taps.index(max(taps))
+    deepest = target_layer_ids.index(max(target_layer_ids))
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, deepest * hidden:(deepest + 1) * hidden] = torch.eye(hidden)
     _copy(drafter.hidden_norm.weight, t_layers[source_layers[0]].input_layernorm.weight, "hidden_norm")

@@ -196,6 +196,24 @@ def test_train_cli_on_prompt_files_with_the_levers(tmp_path):
         "target", 0.5, 4, 40, 2)
     assert (out / "model.safetensors").is_file() and (tmp_path / "drafter.work" / "best" / "config.json").is_file()
 
+    # the ablation table and the training curves of that run
+    import subprocess
+    import sys
+
+    report = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(out), "--label", "levers",
+                             "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr
+    record = yaml.safe_load((out / "training_config.yaml").read_text())["results"]
+    table = [line for line in report.stdout.splitlines() if line.startswith("| levers |")]
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    best_step, best = record["best"]
+    assert cells[1:8] == ["target", "0.5", "1", "4", "40", "4", f"{4 * 2 * 2:,}"]
+    assert cells[9] == f"{best:.3f} ({best_step})" and cells[10] == f"{record['heldout'][-1][2]:.3f}"
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "no training_config.yaml" in bad.stderr
+
     # cheap mistakes are refused before any model loads, in one line
     for extra, message in [(["--heldout-every", "2"], "--heldout-every needs --heldout-prompts"),
                            (["--heldout-prompts", str(tmp_path / "train.jsonl"), "--steps", "1"], "disjoint"),

@@ -1,0 +1,71 @@
+"""`dflash-trt train-report`: compare drafter training runs (an ablation table and training curves).
+
+Reads each RUN directory's training_config.yaml (written by `dflash-trt train`), prints one markdown
+row per run -- the levers it used (init, distillation weight, layers, block size, vocabulary subset),
+its steps, its data and its best and last held-out block acceptance length -- and, with --plot, draws
+the held-out acceptance length against optimizer steps and against anchored blocks seen.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash_trt.errors import InputError
+
+COLUMNS = ("run", "init", "kd", "layers", "block", "train vocab", "steps", "blocks seen", "response tokens",
+           "held-out tau best (step)", "held-out tau last", "held-out CE last")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train-report", help="ablation table and training curves of `train` runs", description=__doc__)
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="`dflash-trt train --output` directories")
+    p.add_argument("--label", action="append", default=[], help="a name per RUN, in order (default: the folder name)")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the training curves here")
+    p.set_defaults(func=run)
+
+
+def read_run(directory: Path) -> dict:
+    import yaml
+
+    path = Path(directory) / "training_config.yaml"
+    if not path.is_file():
+        raise InputError(f"{directory} has no training_config.yaml: pass a `dflash-trt train --output` directory")
+    doc = yaml.safe_load(path.read_text())
+    try:
+        cfg, results = doc["train_config"], doc["results"]
+        drafter, data = doc["drafter"], doc["data"]
+    except (KeyError, TypeError) as exc:
+        raise InputError(f"{path} is not a training record ({exc})") from exc
+    if not results["heldout"]:
+        raise InputError(f"{path} has no held-out evaluations: train with --heldout-prompts and --heldout-every")
+    return {"cfg": cfg, "results": results, "drafter": drafter, "data": data}
+
+
+def row(label: str, rec: dict) -> list[str]:
+    cfg, res, drafter = rec["cfg"], rec["results"], rec["drafter"]
+    per_step = cfg["batch_size"] * cfg["anchors_per_seq"]
+    best_step, best = res["best"]
+    last_step, last_loss, last = res["heldout"][-1]
+    init = "drafter " + Path(cfg["drafter_init"]).name if cfg["drafter_init"] else cfg["init"]
+    return [label, init, f"{cfg['kd_weight']:g}", str(drafter["num_layers"]), str(drafter["block_size"]),
+            str(cfg["train_vocab"] or "all"), str(res["steps"]), f"{res['steps'] * per_step:,}",
+            f"{rec['data']['response_tokens']:,}", f"{best:.3f} ({best_step})", f"{last:.3f}", f"{last_loss:.3f}"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.label and len(args.label) != len(args.runs):
+        raise InputError(f"{len(args.label)} --label values for {len(args.runs)} runs: give one per run or none")
+    labels = args.label or [r.name for r in args.runs]
+    records = [read_run(r) for r in args.runs]
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for label, rec in zip(labels, records):
+        print("| " + " | ".join(row(label, rec)) + " |")
+    if args.plot is not None:
+        from dflash_trt.bench.plots import training_curves_plot
+
+        curves = {label: [(st, st * rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"], acc)
+                          for st, _, acc in rec["results"]["heldout"]] for label, rec in zip(labels, records)}
+        training_curves_plot(curves, args.plot, "DFlash drafter training (held-out split)")
+        print(f"\nwrote {args.plot}")
+    return 0
