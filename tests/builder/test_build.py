@@ -207,6 +207,17 @@ def test_editing_a_build_leaves_its_sources_and_its_cache_alone(built, tmp_path)
         assert built_file.read_bytes() == src.read_bytes()
 
 
+def _tiny_b300_config(path: Path, drafter_dir: Path) -> tuple[Path, dict]:
+    """The gpt-oss-120b DGX B300 build config over the tiny gpt-oss stand-in (TP2 x EP2) and `drafter_dir`."""
+    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml").read_text())
+    raw["target"] = yaml.safe_load(TINY.read_text())["target"]
+    raw["drafter"] = {"path": str(drafter_dir), "num_hidden_layers": 1, "quantization": "none"}
+    raw["parallel"] = {"tp": 2, "ep": 2, "pp": 1, "ranks": 2, "gpus_per_node": 8, "nodes": 1}
+    raw.update(max_seq_len=1024, max_draft_len=9, max_num_tokens=1024)
+    path.write_text(yaml.safe_dump(raw))
+    return path, raw
+
+
 def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_path):
     """The gpt-oss-120b B300 config with the stand-in's sizes, built for real (a TensorRT-LLM build
     needs no GPU to write its files): target/ is the MXFP4 release byte for byte with no ModelOpt
@@ -224,13 +235,7 @@ def test_trtllm_gpt_oss_build_ships_the_release_and_a_bf16_drafter(built, tmp_pa
     _, _, tiny = built
     drafter = build_tiny_drafter(load_hf_config(tiny / "target"), num_layers=1, block_size=10, mask_token_id=4)
     drafter_dir = drafter.save_pretrained(tmp_path / "drafter-fp32")
-    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml").read_text())
-    raw["target"] = yaml.safe_load(TINY.read_text())["target"]
-    raw["drafter"] = {"path": str(drafter_dir), "num_hidden_layers": 1, "quantization": "none"}
-    raw["parallel"] = {"tp": 2, "ep": 2, "pp": 1, "ranks": 2, "gpus_per_node": 8, "nodes": 1}
-    raw.update(max_seq_len=1024, max_draft_len=9, max_num_tokens=1024)
-    cfg = tmp_path / "gpt-oss-tiny-b300.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
+    cfg, raw = _tiny_b300_config(tmp_path / "gpt-oss-tiny-b300.yaml", drafter_dir)
     out = tmp_path / "out"
     build(cfg, BuildOptions(output=out, progress=False, tiny_gpt_oss=tiny))
     assert filecmp.cmp(out / "target" / "model.safetensors", tiny / "target" / "model.safetensors", shallow=False)
@@ -269,13 +274,7 @@ def test_trtllm_build_refuses_an_already_quantized_drafter(built, tmp_path):
     _, _, tiny = built
     drafter = build_tiny_drafter(load_hf_config(tiny / "target"), num_layers=1, block_size=10, mask_token_id=4)
     fp8 = write_drafter(drafter, tmp_path / "drafter-fp8", "FP8")
-    raw = yaml.safe_load((CONFIGS / "gpt-oss-120b_dgx-b300_tp8_mxfp4.yaml").read_text())
-    raw["target"] = yaml.safe_load(TINY.read_text())["target"]
-    raw["drafter"] = {"path": str(fp8), "num_hidden_layers": 1, "quantization": "none"}
-    raw["parallel"] = {"tp": 2, "ep": 2, "pp": 1, "ranks": 2, "gpus_per_node": 8, "nodes": 1}
-    raw.update(max_seq_len=1024, max_draft_len=9, max_num_tokens=1024)
-    cfg = tmp_path / "fp8-drafter.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
+    cfg, _ = _tiny_b300_config(tmp_path / "fp8-drafter.yaml", fp8)
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match="is quantized .* needs the BF16 \\(unquantized\\) drafter") as info:
         build(cfg, BuildOptions(output=out, progress=False, tiny_gpt_oss=tiny))
