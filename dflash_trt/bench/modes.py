@@ -86,14 +86,33 @@ class BenchMode(ABC):
         """Greedy-decode `prompt` for at most `max_new_tokens` tokens (stops at EOS)."""
 
 
+def confidence_of(mode: str) -> float | None:
+    """The threshold of a `dflash@C` mode (DFlash with draft_confidence C: one point of a threshold
+    sweep, e.g. `--modes dflash@0,dflash@0.1,dflash@0.2,ar`); None for any other name."""
+    name, sep, value = mode.partition("@")
+    if name != "dflash" or not sep:
+        return None
+    try:
+        confidence = float(value)
+    except ValueError as exc:
+        raise InputError(f"mode '{mode}': dflash@C takes a number C in [0, 1)") from exc
+    if not 0.0 <= confidence < 1.0:
+        raise InputError(f"mode '{mode}': dflash@C takes C in [0, 1), got {confidence}")
+    return confidence
+
+
 def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> EngineConfig:
     """The engine settings of an engine mode: `dflash` as configured (draft truncation and schedule
-    included), `dflash-full` always verifying the whole block, `ar` without the drafter."""
-    if mode not in ENGINE_MODES:
-        raise InputError(f"'{mode}' is not an engine mode ({', '.join(ENGINE_MODES)})")
+    included), `dflash-full` always verifying the whole block, `dflash@C` truncating drafts at
+    confidence C, `ar` without the drafter."""
+    confidence = confidence_of(mode)
+    if mode not in ENGINE_MODES and confidence is None:
+        raise InputError(f"'{mode}' is not an engine mode ({', '.join(ENGINE_MODES)}, dflash@C)")
     cfg = replace(base, speculative=mode != "ar", max_batch_size=max_batch_size)
     if mode == "dflash-full":
         cfg = replace(cfg, draft_confidence=0.0, draft_len_schedule=None)
+    if confidence is not None:
+        cfg = replace(cfg, draft_confidence=confidence)
     return cfg
 
 
@@ -253,9 +272,9 @@ def parse_modes(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise InputError("--modes is empty: name at least one of " + ", ".join(MODES))
-    unknown = [m for m in names if m not in MODES]
+    unknown = [m for m in names if m not in MODES and confidence_of(m) is None]
     if unknown:
-        raise InputError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        raise InputError(f"unknown modes {unknown}; choose from {', '.join(MODES)}, dflash@C (C in [0, 1))")
     if len(set(names)) != len(names):
         raise InputError(f"--modes names a mode twice: {names}")
     return names
@@ -266,7 +285,8 @@ def build_modes(names: list[str], ctx: ModeContext) -> tuple[list[BenchMode], di
     modes, skipped = [], {}
     for name in names:
         try:
-            modes.append(MODES[name](name, ctx))
+            factory = EngineMode if confidence_of(name) is not None else MODES[name]
+            modes.append(factory(name, ctx))
         except ModeUnavailable as exc:
             log.warning("bench: skipping mode %s: %s", name, exc)
             skipped[name] = str(exc)

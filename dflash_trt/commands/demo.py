@@ -20,6 +20,7 @@ from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
 from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.speculative.draft_len import CPU_DRAFT_CONFIDENCE
 
 TINY_BLOCK_SIZE = 8  # the --tiny drafter's trained block
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
@@ -38,7 +39,8 @@ def register(sub) -> None:
     e = p.add_argument_group("decoding")
     e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     e.add_argument("--draft-confidence", type=float, default=None,
-                   help="verify drafts only while the drafter is this confident (default: the engine's)")
+                   help="verify drafts only while the drafter is this confident, 0 = the whole block (default: "
+                        f"{CPU_DRAFT_CONFIDENCE} on CPU)")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
     p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
 
@@ -51,7 +53,7 @@ def _check(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty")
     # the engine values and the block size against the drafter's config.json, before a model is loaded
-    EngineConfig(block_size=args.block_size, draft_confidence=args.draft_confidence or 0.0)
+    EngineConfig(block_size=args.block_size, draft_confidence=args.draft_confidence)
     if args.tiny:
         if args.drafter is not None:
             raise ConfigError("--drafter does nothing with --tiny (it builds its own random drafter): drop one of them")
@@ -93,10 +95,8 @@ def run(args: argparse.Namespace) -> int:
         models = load_backend("torch", load_config(args))  # the demo compares modes of our own engine
         ids = prompt_ids(models, args.prompt, None, chat=True)
     info = models.target.info
-    cfg = EngineConfig(block_size=args.block_size, max_batch_size=1,
+    cfg = EngineConfig(block_size=args.block_size, max_batch_size=1, draft_confidence=args.draft_confidence,
                        max_seq_len=min(info.max_position_embeddings, len(ids) + args.max_new_tokens + 64))
-    if args.draft_confidence is not None:
-        cfg = replace(cfg, draft_confidence=args.draft_confidence)
     engines = {"autoregressive": models.engine(replace(cfg, speculative=False)), "dflash": models.engine(cfg)}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     # 1. warm-up (first-call allocations, caches), then 2. interleaved timed runs
@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"dflash:         {n} tokens, median {med['dflash']:.2f} s = {n / med['dflash']:.1f} tok/s"
           f"  (runs {runs['dflash']} s)")
     print(f"                tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps, "
-          f"{verified:.1f} of {block - 1} drafts verified per step (block {block})")
+          f"{verified:.1f} of {block - 1} drafts verified per step (block {block}, "
+          f"--draft-confidence {engines['dflash'].config.draft_confidence:g})")
     print(f"speedup: {med['autoregressive'] / med['dflash']:.2f}x (median AR time / median DFlash time; "
           f"same engine, same process)")
     sys.stdout.flush()

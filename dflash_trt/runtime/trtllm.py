@@ -175,6 +175,18 @@ def llm_arguments(load: LoadConfig, config: EngineConfig, options: TrtllmOptions
     from the engine config must agree with it (one place for every setting); a partial
     `speculative_config` there adds DFlashDecodingConfig keys (max_concurrency, attention_backend...)
     to the adapter's own mapping. max_seq_len is always passed (it sizes the drafter's context arena)."""
+    if config.draft_confidence:  # None (the default for the device) and 0 both mean the whole block here
+        raise ConfigError(f"draft_confidence {config.draft_confidence} is a torch-backend setting: TensorRT-LLM's "
+                          "DFlash verifies every draft it proposes; drop --draft-confidence with --backend trtllm")
+    if config.draft_len_schedule is not None:
+        # upstream's key convention is not one across versions: keys as lower bounds ({1: 7, 4: 3, 8: 0};
+        # _torch/speculative/drafter.py get_draft_len_for_batch_size, "largest threshold <= batch_size") in
+        # some, keys as upper bounds ({4: 4, 8: 2, 32: 1} = 4 drafts up to 4 rows, 0 above 32; the
+        # DecodingBaseConfig.draft_len_schedule description in llmapi/llm_args.py, where max_concurrency N
+        # becomes {N: max_draft_len}) in others; so ours is not translated
+        raise ConfigError("draft_len_schedule is not translated for TensorRT-LLM (its key convention differs between "
+                          "releases): set speculative_config.draft_len_schedule in the serve --config YAML in the "
+                          "convention of your release, and drop --draft-len-schedule")
     base = {"model": str(Path(load.target).absolute()), "backend": "pytorch",
             "max_batch_size": config.max_batch_size, "max_seq_len": config.max_seq_len}
     extra = {k: v for k, v in options.llm_args.items() if k != "speculative_config"}

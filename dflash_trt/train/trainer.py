@@ -286,6 +286,8 @@ class Trainer:
         try:
             if c.eval_every and self.eval_prompts and self.state.step == 0:
                 eval_tau = self._eval(drafter)
+            if c.heldout_every and self.heldout and self.state.step == 0:
+                self._heldout_eval(drafter, gamma)  # the starting point (a --drafter-init run's baseline)
             # 3. steps
             while self.state.step < c.steps:
                 idx = torch.randint(len(self.samples), (c.batch_size,), generator=gen).tolist()

@@ -160,6 +160,18 @@ def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
     assert costs["verify_ratio"]["1"] == 1.0 and set(costs["verify_ratio"]) == {"1", "2", "4", "8"}
 
 
+def test_confidence_sweep_modes(tiny, tmp_path, capsys):
+    """dflash@C modes: one threshold each, same output; @0 verifies whole blocks."""
+    rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--limit", "2", "--modes", "dflash@0,dflash@0.9,ar",
+               "--concurrency", "", "--no-plots", "--no-warmup")
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["errors"] == [] and report["modes"]["measured"] == ["dflash@0", "dflash@0.9", "ar"]
+    by_mode = {r["mode"]: r for r in report["aggregates"]["by_dataset"]}
+    assert by_mode["dflash@0"]["verified_per_step"] == BLOCK - 1
+    assert by_mode["dflash@0.9"]["verified_per_step"] < BLOCK - 1
+
+
 @pytest.fixture
 def broken_mode():
     bench_modes.register_mode("broken", _BrokenMode)
@@ -207,6 +219,8 @@ def test_no_spec_skips_drafter_modes(tiny, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--modes", "dflash,nope"], "unknown modes"),
+    (["--modes", "dflash@1.5"], "C in [0, 1)"),
+    (["--modes", "dflash@x"], "takes a number"),
     (["--dataset", "squad"], "unknown dataset"),
     (["--limit", "0"], "--limit"),
     (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be >= 1"),
