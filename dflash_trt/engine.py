@@ -92,6 +92,9 @@ class EngineConfig:
     draft_confidence: float | None = 0.0
     # ((batch-size threshold, drafts per row), ...) as TensorRT-LLM's draft_len_schedule; None = always block - 1
     draft_len_schedule: tuple[tuple[int, int], ...] | None = None
+    # draft over the drafter's draft vocabulary (draft_vocab.json, models/drafter.py) when it ships one;
+    # False = the whole vocabulary. Verification is the same either way, so output is too.
+    draft_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
@@ -245,6 +248,11 @@ class Target(Protocol):
         ...
 
     def head(self, hidden: "torch.Tensor") -> "torch.Tensor":  # [B, T, H] -> [B, T, vocab]
+        ...
+
+    def head_weight(self) -> "torch.Tensor | None":
+        """The lm_head as one bias-free [vocab, H] matrix on this process, or None where the head is
+        not one (vocab-parallel under TP): draft vocabularies need its rows."""
         ...
 
 

@@ -280,6 +280,9 @@ def markdown(report: dict) -> str:
                   f"1-token step {costs['one_token_s'] * 1e3:.1f} ms)", ""]
         head = [f"verify {t} tokens" for t in costs["verify_ratio"]] + ["draft (block)"]
         row = [_f(r) for r in costs["verify_ratio"].values()] + [_f(costs["draft_ratio"])]
+        if costs["draft_vocab_ratio"] is not None:
+            head.append("draft (block, draft vocabulary)")
+            row.append(_f(costs["draft_vocab_ratio"]))
         lines += _table(head, [row])
     lines += ["", "## Errors", ""]
     lines += [f"- {e['message']}" for e in report["errors"]] or ["none"]

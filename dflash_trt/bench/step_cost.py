@@ -8,7 +8,8 @@ chosen by measured speed on the machine at hand. `measure_step_costs` times, on 
 and drafter and with a real KV cache of `context` tokens, the target forward over T = 1..block
 tokens and the drafter forward (context K/V of one accepted span + the block + its lm_head);
 each time is a median over `repeats` runs after a warm-up, and the table is reported as ratios to
-the 1-token step (measured side by side in one process).
+the 1-token step (measured side by side in one process). A drafter with a draft vocabulary is
+timed both ways: its lm_head over the whole vocabulary and over the draft vocabulary's rows.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflash_trt.errors import InputError
+from dflash_trt.speculative.draft_head import DraftHead
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,10 @@ class StepCosts:
     context: int  # tokens already in the KV cache
     one_token_s: float  # median time of a 1-token target forward
     verify_ratio: dict[int, float]  # T -> t(T tokens) / t(1 token)
-    draft_ratio: float | None  # drafter forward (block) / t(1 token); None without a drafter
+    draft_ratio: float | None  # drafter forward (block, lm_head over the whole vocabulary) / t(1 token); None without a drafter
+    # the same with the lm_head over the drafter's draft vocabulary (speculative/draft_head.py), as the
+    # engine drafts by default; None when the drafter ships none
+    draft_vocab_ratio: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +78,7 @@ def measure_step_costs(target, drafter, *, context: int = 200, sizes: tuple[int,
         return run
 
     times = {t: _median_time(verify(t), repeats) for t in sorted(set(sizes) | {1})}
-    draft_ratio = None
+    draft_ratio = draft_vocab_ratio = None
     if drafter is not None:
         bs = drafter.block_size
         dcache = drafter.new_cache(1, context + bs + 1)
@@ -84,14 +89,20 @@ def measure_step_costs(target, drafter, *, context: int = 200, sizes: tuple[int,
                 target.embed(prompt[:, :bs]), (context - 4 + torch.arange(bs, device=dev))[None])
         dcache.crop(torch.tensor([context - 4], device=dev), drow)
 
-        def draft():
-            # one step's work: write 4 accepted positions' context, run the block, the lm_head on its slots
-            h = drafter(dcache, drow, hidden[:, context - 4:], (context - 4 + torch.arange(4, device=dev))[None],
-                        target.embed(prompt[:, :bs]), (context + torch.arange(bs, device=dev))[None])
-            target.head(h[:, 1:]).argmax(-1)
-            dcache.crop(torch.tensor([context - 4], device=dev), drow)
+        def draft(head):
+            def run():
+                # one step's work: write 4 accepted positions' context, run the block, the lm_head on its slots
+                h = drafter(dcache, drow, hidden[:, context - 4:], (context - 4 + torch.arange(4, device=dev))[None],
+                            target.embed(prompt[:, :bs]), (context + torch.arange(bs, device=dev))[None])
+                head(h[:, 1:]).argmax(-1)
+                dcache.crop(torch.tensor([context - 4], device=dev), drow)
+            return run
 
-        draft_ratio = _median_time(draft, repeats) / times[1]
+        draft_ratio = _median_time(draft(target.head), repeats) / times[1]
+        vocab_head = DraftHead(target, drafter.draft_vocab)
+        if vocab_head.restricted:
+            draft_vocab_ratio = _median_time(draft(vocab_head), repeats) / times[1]
     one = times[1]
     return StepCosts(threads=torch.get_num_threads(), context=context, one_token_s=one,
-                     verify_ratio={t: times[t] / one for t in sorted(times)}, draft_ratio=draft_ratio)
+                     verify_ratio={t: times[t] / one for t in sorted(times)}, draft_ratio=draft_ratio,
+                     draft_vocab_ratio=draft_vocab_ratio)

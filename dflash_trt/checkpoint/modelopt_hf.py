@@ -89,7 +89,7 @@ def _to_disk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _write(out_dir: Path, config: dict, plan: QuantPlan, state: dict[str, torch.Tensor], calibration,
-           sources: dict[str, Path | None], copy_from: Path | None) -> Path:
+           sources: dict[str, Path | None], copy_from: Path | None, extra_json: dict[str, dict] | None = None) -> Path:
     quant = quantization_block(plan)
     quant["calibration"] = None if calibration is None else calibration.describe()
     prov = make_provenance(FORMAT, quant, sources)
@@ -100,6 +100,8 @@ def _write(out_dir: Path, config: dict, plan: QuantPlan, state: dict[str, torch.
         write_json(tmp / HF_QUANT_CONFIG, hf_quant_config(plan))
         write_safetensors(tmp / "model.safetensors", _to_disk(state), metadata=prov.metadata())
         write_json(tmp / PROVENANCE_FILE, prov.to_json())
+        for name, body in (extra_json or {}).items():
+            write_json(tmp / name, body)
         if copy_from is not None:
             for name in COPIED_FILES:
                 if (Path(copy_from) / name).is_file():
@@ -154,7 +156,11 @@ def write_drafter(drafter, out_dir: Path, algo: str | QuantAlgo, calibration=Non
     state = quantize_state({k: v.detach() for k, v in drafter.state_dict().items()}, plan, amax, export_dtype=dtype)
     config = drafter.cfg.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    return _write(out_dir, config, plan, state, calibration, {"drafter": source_dir}, None)
+    from dflash_trt.models.drafter import DRAFT_VOCAB_FILE, DRAFT_VOCAB_FORMAT
+
+    extra = None if drafter.draft_vocab is None else {
+        DRAFT_VOCAB_FILE: {"format": DRAFT_VOCAB_FORMAT, "token_ids": drafter.draft_vocab.tolist()}}
+    return _write(out_dir, config, plan, state, calibration, {"drafter": source_dir}, None, extra)
 
 
 def read_quant_config(directory: Path) -> dict:
@@ -195,15 +201,18 @@ def load_target(directory: Path, dtype: torch.dtype = torch.float32):
 def load_drafter(directory: Path, dtype: torch.dtype = torch.float32):
     """A DFlashDrafter with QuantLinear layers from a ModelOpt-HF drafter directory."""
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, read_draft_vocab
 
     directory = Path(directory)
     quant = read_quant_config(directory)
     raw = json.loads((Path(directory) / "config.json").read_text())
     raw.pop("quantization_config", None)
     model = DFlashDrafter(DrafterConfig.from_dict(raw, where=str(directory / "config.json"))).to(dtype)
-    return load_quantized_state(model, read_state_dict(directory), parse_quant_algo(quant["quant_algo"]),
-                                str(directory))
+    model = load_quantized_state(model, read_state_dict(directory), parse_quant_algo(quant["quant_algo"]),
+                                 str(directory))
+    if (directory / DRAFT_VOCAB_FILE).is_file():
+        model.set_draft_vocab(read_draft_vocab(directory / DRAFT_VOCAB_FILE))
+    return model
 
 
 def is_modelopt_dir(directory: Path) -> bool:

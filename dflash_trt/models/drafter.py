@@ -17,9 +17,17 @@ Checkpoint format (as published by the DFlash authors): config.json with
 `architectures: ["DFlashDraftModel"]` plus safetensors tensors `fc.weight`, `hidden_norm.weight`,
 `norm.weight`, `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.self_attn.{q,k}_norm.weight`,
 `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.{input,post_attention}_layernorm.weight`.
+
+Optional draft vocabulary (this project's addition, FR-Spec, arXiv 2502.14856): `draft_vocab.json`
+beside the weights lists the token ids the drafter was trained to propose (the most frequent ones of
+its training data). The torch engine then computes draft logits over those lm_head rows only, which
+cuts the drafter's largest GEMM (block_size - 1 positions x the whole vocabulary); verification is
+unchanged, so output is too. Loaders that do not know the file (upstream DFlash, TensorRT-LLM)
+ignore it and draft over the whole vocabulary.
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -29,13 +37,15 @@ from torch import nn
 
 from dflash_trt.fileio import atomic_directory, check_state_dict, read_state_dict, write_json, write_safetensors
 from dflash_trt.config import DrafterConfig
-from dflash_trt.errors import InputError
+from dflash_trt.errors import CheckpointError, InputError
 from dflash_trt.models.kv_cache import CacheShape, RaggedKVCache
 from dflash_trt.models.layers import apply_rope, attend, attention_mask, rope_cos_sin
 from dflash_trt.models.transformer import RMSNorm
 from plugins.kernels.contracts import ContextKVWeights
 
 log = logging.getLogger(__name__)
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+DRAFT_VOCAB_FORMAT = "dflash_trt.draft_vocab/1"
 _logged_paths: set[tuple[str, str]] = set()
 
 
@@ -132,6 +142,22 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_scaling = scaling
         self.checkpoint_dtype: dict[str, torch.dtype] = {}
+        self.draft_vocab: torch.Tensor | None = None  # [K] int64 sorted token ids (draft_vocab.json) or None
+
+    def set_draft_vocab(self, ids: torch.Tensor | list[int] | None) -> None:
+        """The token ids this drafter proposes (sorted, unique, inside the vocabulary); None = all."""
+        if ids is None:
+            self.draft_vocab = None
+            return
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise CheckpointError("a draft vocabulary needs at least one token id")
+        if bool((ids[1:] <= ids[:-1]).any()):
+            raise CheckpointError("draft vocabulary token ids must be sorted and unique")
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.cfg.vocab_size:
+            raise CheckpointError(f"draft vocabulary token ids must be in [0, {self.cfg.vocab_size}), "
+                                  f"got {int(ids[0])}..{int(ids[-1])}")
+        self.draft_vocab = ids
 
     @property
     def block_size(self) -> int:
@@ -232,6 +258,9 @@ class DFlashDrafter(nn.Module):
         check_state_dict(state, model.state_dict(), f"drafter checkpoint {directory} (per its config.json)")
         model.checkpoint_dtype = {name: t.dtype for name, t in state.items()}
         model.load_state_dict(state, strict=True)
+        vocab_file = directory / DRAFT_VOCAB_FILE
+        if vocab_file.is_file():
+            model.set_draft_vocab(read_draft_vocab(vocab_file))
         return model.to(dtype).eval()
 
     def save_pretrained(self, directory: Path, dtype: torch.dtype | None = None) -> Path:
@@ -245,4 +274,21 @@ class DFlashDrafter(nn.Module):
         with atomic_directory(Path(directory)) as tmp:
             write_json(tmp / "config.json", self.cfg.to_dict())
             write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
+            if self.draft_vocab is not None:
+                write_json(tmp / DRAFT_VOCAB_FILE, {"format": DRAFT_VOCAB_FORMAT,
+                                                    "token_ids": self.draft_vocab.tolist()})
         return Path(directory)
+
+
+def read_draft_vocab(path: Path) -> list[int]:
+    """The token ids of a draft_vocab.json (validated against the drafter by set_draft_vocab)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or "format" not in data or data["format"] != DRAFT_VOCAB_FORMAT:
+        raise CheckpointError(f"{path}: expected a JSON object with format '{DRAFT_VOCAB_FORMAT}'")
+    ids = data["token_ids"] if "token_ids" in data else None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{path}: token_ids must be a list of integers")
+    return ids

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from dflash_trt.fileio import check_state_dict, read_state_dict
 from dflash_trt.config import TargetInfo
@@ -161,6 +162,10 @@ class HFTarget:
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
+
+    def head_weight(self) -> torch.Tensor | None:
+        head = self.model.get_output_embeddings()
+        return head.weight if type(head) is nn.Linear and head.bias is None else None
 
     @torch.inference_mode()
     def forward(self, cache: HFCache, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor,

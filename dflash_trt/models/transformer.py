@@ -237,6 +237,11 @@ class NativeCausalLM(nn.Module):
         """hidden: [B, T, H] (already final-normed) -> logits [B, T, vocab]."""
         return self.lm_head(hidden)
 
+    def head_weight(self) -> torch.Tensor | None:
+        """lm_head.weight [vocab, H]; None when the head is not a plain bias-free Linear (TP's vocab-parallel head)."""
+        head = self.lm_head
+        return head.weight if type(head) is nn.Linear and head.bias is None else None
+
     def forward(
         self,
         cache: RaggedKVCache,

@@ -25,6 +25,7 @@ from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, S
                                check_request, run_to_completion, stamp_finished)
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.speculative.draft_head import DraftHead
 from dflash_trt.speculative.draft_len import (check_schedule, confident_lengths, default_draft_confidence,
                                               scheduled_drafts)
 from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
@@ -60,6 +61,8 @@ class DFlashEngine:
         capacity = config.max_seq_len + self.block_size
         self.tcache = target.new_cache(config.max_batch_size, capacity)
         self.dcache = drafter.new_cache(config.max_batch_size, capacity) if self.speculative else None
+        vocab = drafter.draft_vocab if self.speculative and config.draft_vocab else None
+        self.draft_head = DraftHead(target, vocab)
         self.active: list[Sequence] = []
         self._ids = 0
 
@@ -132,7 +135,7 @@ class DFlashEngine:
         drafts = scheduled_drafts(self.config.draft_len_schedule, n, t - 1) if self.speculative else 0
         if drafts:
             hidden = self._draft_forward(seqs, block, block_pos, rows)
-            draft_logits = self.target.head(hidden[:, 1:])  # [B, K, V]
+            draft_logits = self.draft_head(hidden[:, 1:])  # [B, K, V]
             block[:, 1:], draft_probs = self._propose(draft_logits, seqs)
             lens = self._draft_lengths(draft_logits, drafts)
             t = int(lens.max()) + 1  # verify only as far as the longest kept draft

@@ -139,6 +139,9 @@ class TapRecorder:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.head(hidden)
 
+    def head_weight(self) -> torch.Tensor | None:
+        return self.target.head_weight()
+
     def forward(self, cache, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor,
                 target_layer_ids: tuple[int, ...] = (), logit_index: torch.Tensor | None = None) -> TargetOutput:
         """input_ids, positions: [B, T] (see NativeCausalLM.forward)."""

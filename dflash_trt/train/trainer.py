@@ -279,6 +279,8 @@ class Trainer:
                               "or use a fresh --work-dir")
         gamma = c.gamma or default_gamma(self.drafter_cfg.block_size)
         vocab = self.train_vocab() if c.train_vocab else None
+        # the drafter proposes what it was trained on: its draft vocabulary is the loss's (None: all tokens)
+        drafter.set_draft_vocab(vocab.ids if vocab is not None else None)
         bar = tqdm(total=c.steps, initial=self.state.step, desc="train", unit="step", disable=not c.progress,
                    mininterval=1.0)
         consistent, start = True, time.perf_counter()

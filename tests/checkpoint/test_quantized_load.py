@@ -33,11 +33,13 @@ def test_modelopt_hf_target_and_drafter_load_and_generate(tmp_path, arch):
     dcal = calibrate_drafter(target, drafter, prompts[:1], max_new_tokens=8)
     assert set(dcal.input_amax) == {n for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)}
     ref = DFlashEngine(target, drafter, EngineConfig(max_seq_len=64)).generate([prompts[0]], PARAMS)[0]
+    drafter.set_draft_vocab(torch.arange(0, hf.config.vocab_size, 2))  # travels with the quantized drafter
     report = {}
     for algo in ("FP8", "NVFP4"):
         qt = modelopt_hf.load_target(modelopt_hf.write_target(target, tmp_path / f"t{algo}", algo, tcal))
         qd = modelopt_hf.load_drafter(modelopt_hf.write_drafter(drafter, tmp_path / f"d{algo}", algo, dcal))
         assert isinstance(qd.layers[0].self_attn.q_proj, QuantLinear) and not isinstance(qd.fc, QuantLinear)
+        assert torch.equal(qd.draft_vocab, drafter.draft_vocab)
         assert isinstance(qt.model.layers[0].self_attn.o_proj, QuantLinear)
         assert not isinstance(qt.lm_head, QuantLinear)
         for name, module in qt.named_modules():

@@ -129,6 +129,26 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path, target_cfg):
     assert not any("embed" in n or "lm_head" in n for n in names)
 
 
+def test_draft_vocabulary_round_trip_and_bad_files(tmp_path, target_cfg):
+    drafter = build_tiny_drafter(target_cfg, seed=5, num_layers=1, target_layer_ids=[1, 3])
+    assert drafter.draft_vocab is None
+    assert not (drafter.save_pretrained(tmp_path / "none") / "draft_vocab.json").exists()
+    drafter.set_draft_vocab([0, 3, 7, target_cfg.vocab_size - 1])
+    src = drafter.save_pretrained(tmp_path / "a")
+    assert DFlashDrafter.from_pretrained(src).draft_vocab.tolist() == [0, 3, 7, target_cfg.vocab_size - 1]
+    for ids, message in [([3, 3], "sorted and unique"), ([5, 2], "sorted and unique"), ([], "at least one"),
+                         ([0, target_cfg.vocab_size], "must be in"), ([-1, 2], "must be in")]:
+        with pytest.raises(CheckpointError, match=message):
+            drafter.set_draft_vocab(ids)
+    vocab_file = src / "draft_vocab.json"
+    for text, message in [("{", "not valid JSON"), ('{"token_ids": [1]}', "format"),
+                          ('{"format": "dflash_trt.draft_vocab/1", "token_ids": [1.5]}', "list of integers"),
+                          ('{"format": "dflash_trt.draft_vocab/1", "token_ids": [9, 1]}', "sorted")]:
+        vocab_file.write_text(text)
+        with pytest.raises(CheckpointError, match=message):
+            DFlashDrafter.from_pretrained(src)
+
+
 def test_bad_checkpoints_raise_checkpoint_errors(tmp_path, target_cfg):
     src = build_tiny_drafter(target_cfg, seed=6, num_layers=1, target_layer_ids=[1, 3]).save_pretrained(tmp_path / "d")
     tensors = load_file(str(src / "model.safetensors"))

@@ -179,3 +179,38 @@ def test_the_device_default_threshold(arch_models):
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [r.tokens for r in results] == ref
     assert default_draft_confidence(torch.device("cuda", 0)) == 0.0 and default_draft_confidence("cpu") > 0
+
+
+def test_draft_vocabulary_restricts_drafts_not_output(arch_models):
+    """A drafter with a draft vocabulary (speculative/draft_head.py): draft logits equal the full
+    head's on its rows and are -inf elsewhere; greedy output is unchanged; draft_vocab=False and a
+    target without one local lm_head matrix draft over the whole vocabulary."""
+    hf, native, ref = arch_models
+    drafter = build_tiny_drafter(hf.config, seed=6, dtype=torch.float64, num_layers=1, block_size=4)
+    vocab = torch.arange(0, hf.config.vocab_size, 3)
+    drafter.set_draft_vocab(vocab)
+    for target in (native, HFTarget(hf)):
+        engine = DFlashEngine(target, drafter, EngineConfig(max_seq_len=128, max_batch_size=1))
+        assert engine.draft_head.restricted
+        seen = []
+        head = engine.draft_head
+        engine.draft_head = lambda h: seen.append((h, head(h))) or seen[-1][1]
+        results = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        assert [r.tokens for r in results] == ref[:1]
+        hidden, logits = seen[0]
+        outside = torch.ones(hf.config.vocab_size, dtype=torch.bool)
+        outside[vocab] = False
+        with torch.inference_mode():
+            full = target.head(hidden)
+        torch.testing.assert_close(logits[..., vocab], full[..., vocab])
+        assert bool(torch.isneginf(logits[..., outside]).all())
+        assert all(int(i) % 3 == 0 for _, lg in seen for i in lg.argmax(-1).flatten())
+    assert not DFlashEngine(native, drafter, EngineConfig(max_seq_len=128, draft_vocab=False)).draft_head.restricted
+    from dflash_trt.runtime.tp import VocabParallelHead
+
+    native.lm_head.__class__ = VocabParallelHead  # what the TP runtime does to the head (runtime/tp.py)
+    try:
+        assert native.head_weight() is None
+        assert not DFlashEngine(native, drafter, EngineConfig(max_seq_len=128)).draft_head.restricted
+    finally:
+        native.lm_head.__class__ = torch.nn.Linear

@@ -191,6 +191,39 @@ def test_sampling_with_truncated_drafts_matches_target_distribution(models, acce
     assert set(sample_counts.drafted) == {0, 1, 2}  # every truncation length occurred
 
 
+class VocabProposer(TableProposer):
+    """The table proposer drafting over a draft vocabulary only (speculative/draft_head.py): logits
+    -inf outside it, so in rejection mode q is zero there."""
+
+    VOCAB_IDS = torch.tensor([0, 1, 2, 4, 6, 8, 9, 12, 13, 15])
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[self.VOCAB_IDS] = False
+        for n, noise in self.noise.items():
+            noise[..., outside] = -math.inf
+
+
+@pytest.mark.parametrize("acceptance", ["exact", "rejection"])
+def test_sampling_with_a_draft_vocabulary_matches_target_distribution(models, acceptance):
+    """Drafts from a draft vocabulary (q zero outside it) keep the target's distribution."""
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+    target, drafter, table = models
+    config = EngineConfig(max_batch_size=256, max_seq_len=16, acceptance=acceptance)
+    engine = VocabProposer(target, drafter, config, table=table, noise=1.0)
+    plist = [SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=i, max_new_tokens=NEW, ignore_eos=True)
+             for i in range(RUNS)]
+    results = engine.generate([PROMPT] * RUNS, plist)
+    idx = torch.tensor([(r.tokens[0] * VOCAB + r.tokens[1]) * VOCAB + r.tokens[2] for r in results])
+    stat, critical = chi_square(torch.bincount(idx, minlength=VOCAB ** NEW), table.joint(params))
+    assert stat < critical, f"chi-square {stat:.1f} >= critical {critical:.1f} with a draft vocabulary"
+    accepted = torch.tensor(engine.accepted)
+    assert bool((accepted == 0).any()) and bool((accepted >= 1).any())
+    outside = set(range(VOCAB)) - set(VocabProposer.VOCAB_IDS.tolist())
+    assert any(t in outside for r in results for t in r.tokens[1:])  # the target still says what was never drafted
+
+
 def _accept_first_always(draft, target_tokens, draft_lens):
     acc = accept_prefix(draft, target_tokens, draft_lens)
     accepted = acc.accepted.clamp(min=1)  # BROKEN: the first draft is always accepted

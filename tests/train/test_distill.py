@@ -195,6 +195,12 @@ def test_train_cli_on_prompt_files_with_the_levers(tmp_path):
     assert (cfg["init"], cfg["kd_weight"], cfg["topk"], cfg["train_vocab"], cfg["heldout_every"]) == (
         "target", 0.5, 4, 40, 2)
     assert (out / "model.safetensors").is_file() and (tmp_path / "drafter.work" / "best" / "config.json").is_file()
+    # the drafter proposes what it was trained on: its draft vocabulary is the loss's 40 tokens
+    from dflash_trt.models.drafter import DFlashDrafter
+
+    for where in (out, tmp_path / "drafter.work" / "best"):
+        vocab = DFlashDrafter.from_pretrained(where).draft_vocab
+        assert vocab is not None and 0 < vocab.numel() <= 40
 
     # the ablation table and the training curves of that run
     import subprocess
