@@ -84,6 +84,11 @@ def _timed(engine, ids: list[int], params: SamplingParams) -> tuple[GenerationRe
     return result, time.perf_counter() - t0
 
 
+def _vocab_note(engine) -> str:
+    head = engine.draft_head
+    return f", draft vocabulary {head.ids.numel()} of {head.vocab_size} tokens" if head.restricted else ""
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.tiny:
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
           f"  (runs {runs['dflash']} s)")
     print(f"                tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps, "
           f"{verified:.1f} of {block - 1} drafts verified per step (block {block}, "
-          f"--draft-confidence {engines['dflash'].config.draft_confidence:g})")
+          f"--draft-confidence {engines['dflash'].config.draft_confidence:g}{_vocab_note(engines['dflash'])})")
     print(f"speedup: {med['autoregressive'] / med['dflash']:.2f}x (median AR time / median DFlash time; "
           f"same engine, same process)")
     sys.stdout.flush()

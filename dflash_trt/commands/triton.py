@@ -29,6 +29,8 @@ REPO_FLAGS = {  # flag dest -> (section or None, settings key)
     "max_seq_len": ("engine", "max_seq_len"), "max_batch_size": ("engine", "max_batch_size"),
     "max_queue": ("scheduler", "max_queue"), "token_budget": ("scheduler", "token_budget"),
     "decoupled": ("triton_config", "decoupled"),
+    "draft_confidence": ("engine", "draft_confidence"), "draft_len_schedule": ("engine", "draft_len_schedule"),
+    "no_draft_vocab": ("engine", "draft_vocab"),
 }
 
 
@@ -85,6 +87,10 @@ def _settings_dict(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         section, key = REPO_FLAGS[dest]
         value = getattr(args, dest)
         value = str(value) if isinstance(value, Path) else value
+        if dest == "no_draft_vocab":
+            value = not value
+        if dest == "draft_len_schedule" and value is not None:
+            value = [list(pair) for pair in value]
         (raw if section is None else raw[section])[key] = value
     return raw, base
 

@@ -127,6 +127,18 @@ def test_config_yaml_with_relative_paths_and_flag_overrides(ckpt, tmp_path):
     assert spec.engine.max_seq_len == 300  # the flag given on the command line wins
 
 
+def test_draft_speed_flags_reach_the_model_settings(ckpt, tmp_path):
+    """--draft-confidence, --draft-len-schedule and --no-draft-vocab land in model.yaml and in the
+    engine config the model builds; without them the device default (null) and the draft vocabulary."""
+    assert write(ckpt, tmp_path / "a") == 0
+    plain = TritonSettings.load(tmp_path / "a/dflash/1/model.yaml")
+    assert plain.engine.draft_confidence is None and plain.engine.draft_vocab and plain.engine.draft_len_schedule is None
+    assert write(ckpt, tmp_path / "b", "--draft-confidence", "0.3", "--draft-len-schedule", "1:3,4:0",
+                 "--no-draft-vocab") == 0
+    config = TritonSettings.load(tmp_path / "b/dflash/1/model.yaml").engine_config()
+    assert (config.draft_confidence, config.draft_len_schedule, config.draft_vocab) == (0.3, ((1, 3), (4, 0)), False)
+
+
 def test_config_yaml_errors_are_typed(ckpt, tmp_path, capsys):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({"target": str(ckpt[0]), "drafter": str(ckpt[1]), "engine": {"max_batchsize": 2}}))

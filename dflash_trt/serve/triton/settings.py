@@ -17,7 +17,8 @@ Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` st
     chat: false               # wrap text_input in the tokenizer's chat template
     default_max_tokens: 128   # when a request has no sampling_param_max_tokens
     torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
-    engine: {block_size: null, max_batch_size: 8, max_seq_len: null, speculative: true, acceptance: exact}
+    engine: {block_size: null, max_batch_size: 8, max_seq_len: null, speculative: true, acceptance: exact,
+             draft_confidence: null, draft_len_schedule: null, draft_vocab: true}  # null confidence: the device's default
     scheduler: {max_queue: 256, token_budget: 4096}
     trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
     mpi: spawn                # backend trtllm: spawn (one tritonserver, TensorRT-LLM spawns its TP workers)
@@ -27,7 +28,7 @@ Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` st
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,6 +53,10 @@ class EngineSection(_Strict):
     max_seq_len: int | None = Field(default=None, ge=2)  # None: the target's context (EngineConfig.for_models)
     speculative: bool = True
     acceptance: Literal["exact", "rejection"] = "exact"
+    # speed settings of the torch engine (output unchanged): speculative/draft_len.py, draft_head.py
+    draft_confidence: float | None = Field(default=None, ge=0.0, lt=1.0)  # None: the device's default
+    draft_len_schedule: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = None  # [[B, K], ...]
+    draft_vocab: bool = True
 
 
 class SchedulerSection(_Strict):
@@ -87,7 +92,10 @@ class TritonSettings(_Strict):
         return LoadConfig(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.engine.model_dump())
+        values = self.engine.model_dump()
+        schedule = values["draft_len_schedule"]
+        values["draft_len_schedule"] = None if schedule is None else tuple((b, k) for b, k in schedule)
+        return EngineConfig(**values)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(**self.scheduler.model_dump())
