@@ -32,7 +32,7 @@ from dflash_trt.engine import EngineConfig, SamplingParams
 log = logging.getLogger(__name__)
 
 REFERENCE_PIP = "pip install --no-deps dflash==0.1.0"
-ENGINE_MODES = ("dflash", "dflash-full", "ar")
+ENGINE_MODES = ("dflash", "dflash-full", "dflash-full-vocab", "ar")
 PEER_MODES = ("hf-generate", "hf-prompt-lookup", "dflash-reference")
 
 
@@ -103,7 +103,8 @@ def confidence_of(mode: str) -> float | None:
 
 def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> EngineConfig:
     """The engine settings of an engine mode: `dflash` as configured (draft truncation and schedule
-    included), `dflash-full` always verifying the whole block, `dflash@C` truncating drafts at
+    included), `dflash-full` always verifying the whole block, `dflash-full-vocab` as configured but
+    drafting over the whole vocabulary (no draft vocabulary), `dflash@C` truncating drafts at
     confidence C, `ar` without the drafter."""
     confidence = confidence_of(mode)
     if mode not in ENGINE_MODES and confidence is None:
@@ -111,6 +112,8 @@ def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> En
     cfg = replace(base, speculative=mode != "ar", max_batch_size=max_batch_size)
     if mode == "dflash-full":
         cfg = replace(cfg, draft_confidence=0.0, draft_len_schedule=None)
+    if mode == "dflash-full-vocab":
+        cfg = replace(cfg, draft_vocab=False)
     if confidence is not None:
         cfg = replace(cfg, draft_confidence=confidence)
     return cfg
@@ -248,6 +251,7 @@ ModeFactory = Callable[[str, ModeContext], BenchMode]
 MODES: dict[str, ModeFactory] = {
     "dflash": EngineMode,
     "dflash-full": EngineMode,
+    "dflash-full-vocab": EngineMode,
     "ar": EngineMode,
     "hf-generate": HFGenerateMode,
     "hf-prompt-lookup": HFPromptLookupMode,

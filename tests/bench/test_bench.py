@@ -162,11 +162,13 @@ def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
 
 def test_confidence_sweep_modes(tiny, tmp_path, capsys):
     """dflash@C modes: one threshold each, same output; @0 verifies whole blocks."""
-    rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--limit", "2", "--modes", "dflash@0,dflash@0.9,ar",
+    rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--limit", "2", "--modes",
+               "dflash@0,dflash@0.9,dflash-full-vocab,ar",
                "--concurrency", "", "--no-plots", "--no-warmup")
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["errors"] == [] and report["modes"]["measured"] == ["dflash@0", "dflash@0.9", "ar"]
+    assert report["errors"] == []
+    assert report["modes"]["measured"] == ["dflash@0", "dflash@0.9", "dflash-full-vocab", "ar"]
     by_mode = {r["mode"]: r for r in report["aggregates"]["by_dataset"]}
     assert by_mode["dflash@0"]["verified_per_step"] == BLOCK - 1
     assert by_mode["dflash@0.9"]["verified_per_step"] < BLOCK - 1
