@@ -87,9 +87,8 @@ class EngineConfig:
     max_seq_len: int | None = None  # prompt + generated tokens per sequence; None = default_max_seq_len
     speculative: bool = True  # False: plain autoregressive decoding on the same engine
     acceptance: str = "exact"  # "exact" (one-hot q) or "rejection" (drafter's soft q)
-    # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block;
-    # None = the backend's default for its device (draft_len.default_draft_confidence: truncate on CPU only)
-    draft_confidence: float | None = 0.0
+    # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block
+    draft_confidence: float = 0.0
     # ((batch-size threshold, drafts per row), ...) as TensorRT-LLM's draft_len_schedule; None = always block - 1
     draft_len_schedule: tuple[tuple[int, int], ...] | None = None
     # draft over the drafter's draft vocabulary (draft_vocab.json, models/drafter.py) when it ships one;
@@ -105,7 +104,7 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
-        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
+        if not 0.0 <= self.draft_confidence < 1.0:
             raise ConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
     def for_models(self, info: TargetInfo, drafter_block_size: int | None, kv_itemsize: int) -> "EngineConfig":

@@ -20,7 +20,6 @@ from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
 from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
-from dflash_trt.speculative.draft_len import CPU_DRAFT_CONFIDENCE
 
 TINY_BLOCK_SIZE = 8  # the --tiny drafter's trained block
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
@@ -38,9 +37,8 @@ def register(sub) -> None:
     g.add_argument("--cache-dir", type=Path, default=None, help="where the embedded default is converted once")
     e = p.add_argument_group("decoding")
     e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
-    e.add_argument("--draft-confidence", type=float, default=None,
-                   help="verify drafts only while the drafter is this confident, 0 = the whole block (default: "
-                        f"{CPU_DRAFT_CONFIDENCE} on CPU)")
+    e.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="verify drafts only while the drafter is this confident, 0 = the whole block")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
     p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
 

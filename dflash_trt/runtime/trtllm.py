@@ -175,7 +175,7 @@ def llm_arguments(load: LoadConfig, config: EngineConfig, options: TrtllmOptions
     from the engine config must agree with it (one place for every setting); a partial
     `speculative_config` there adds DFlashDecodingConfig keys (max_concurrency, attention_backend...)
     to the adapter's own mapping. max_seq_len is always passed (it sizes the drafter's context arena)."""
-    if config.draft_confidence:  # None (the default for the device) and 0 both mean the whole block here
+    if config.draft_confidence:  # 0: the whole block, what TensorRT-LLM verifies
         raise ConfigError(f"draft_confidence {config.draft_confidence} is a torch-backend setting: TensorRT-LLM's "
                           "DFlash verifies every draft it proposes; drop --draft-confidence with --backend trtllm")
     if config.draft_len_schedule is not None:

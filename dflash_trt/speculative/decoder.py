@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Callable, Sequence as Seq
 
 import torch
@@ -26,8 +25,7 @@ from dflash_trt.engine import (EngineConfig, GenerationResult, SamplingParams, S
 from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.speculative.draft_head import DraftHead
-from dflash_trt.speculative.draft_len import (check_schedule, confident_lengths, default_draft_confidence,
-                                              scheduled_drafts)
+from dflash_trt.speculative.draft_len import check_schedule, confident_lengths, scheduled_drafts
 from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
 from dflash_trt.speculative.verify import accept_rejection, accept_tokens
 
@@ -39,8 +37,6 @@ class DFlashEngine:
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig = EngineConfig(),
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
-        if config.draft_confidence is None:  # the default for this device (speculative/draft_len.py)
-            config = replace(config, draft_confidence=default_draft_confidence(target.device))
         self.target, self.drafter, self.config = target, drafter, config
         self.info = target.info
         self.speculative = config.speculative and drafter is not None and config.block_size != 1

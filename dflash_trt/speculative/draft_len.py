@@ -22,17 +22,6 @@ import torch
 
 from dflash_trt.errors import ConfigError
 
-# The threshold `draft_confidence=None` means on a CPU: picked by measured speed (`dflash-trt bench` with
-# the shipped SmolLM2 drafter, 2 threads, idle machine; the sweep is in its MODEL_CARD.md). On CUDA a
-# K-token verify costs about one 1-token step, so the whole block is verified there.
-CPU_DRAFT_CONFIDENCE = 0.1
-
-
-def default_draft_confidence(device: torch.device) -> float:
-    """What `EngineConfig(draft_confidence=None)` resolves to on `device`."""
-    return CPU_DRAFT_CONFIDENCE if torch.device(device).type == "cpu" else 0.0
-
-
 def check_schedule(schedule: tuple[tuple[int, int], ...], max_drafts: int) -> None:
     """Thresholds >= 1, unique, one at 1; lengths in [0, max_drafts]."""
     keys = [k for k, _ in schedule]

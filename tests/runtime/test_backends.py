@@ -190,13 +190,11 @@ def test_llm_arguments_keep_one_place_per_setting(ckpt):
         llm_arguments(load, config, TrtllmOptions({"speculative_config": {}}), None, (9, 0))
     with pytest.raises(ConfigError, match="max_draft_len"):
         speculative_config(ckpt[1], drafter, 0)
-    # torch-only draft-length settings are refused, not dropped; None (the device default) means the whole block
+    # torch-only draft-length settings are refused, not dropped
     for setting, message in [({"draft_confidence": 0.1}, "torch-backend setting"),
                              ({"draft_len_schedule": ((1, 3), (4, 0))}, "not translated")]:
         with pytest.raises(ConfigError, match=message):
             llm_arguments(load, replace(config, **setting), TrtllmOptions({}), (drafter, BLOCK), (9, 0))
-    base, _ = llm_arguments(load, replace(config, draft_confidence=None), TrtllmOptions({}), (drafter, BLOCK), (9, 0))
-    assert base["max_seq_len"] == 256
 
 
 @pytest.mark.parametrize("capability, requested, expected", [

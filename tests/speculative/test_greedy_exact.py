@@ -168,19 +168,6 @@ def test_bad_draft_len_schedules_are_config_errors(arch_models):
         EngineConfig(draft_confidence=1.0)
 
 
-def test_the_device_default_threshold(arch_models):
-    """draft_confidence=None resolves per device: the CPU threshold here, the whole block on CUDA."""
-    from dflash_trt.speculative.draft_len import CPU_DRAFT_CONFIDENCE, default_draft_confidence
-
-    hf, native, ref = arch_models
-    drafter = build_tiny_drafter(hf.config, seed=8, dtype=torch.float64, num_layers=1, block_size=8)
-    engine = DFlashEngine(native, drafter, EngineConfig(max_seq_len=128, max_batch_size=2, draft_confidence=None))
-    assert engine.config.draft_confidence == CPU_DRAFT_CONFIDENCE > 0
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert [r.tokens for r in results] == ref
-    assert default_draft_confidence(torch.device("cuda", 0)) == 0.0 and default_draft_confidence("cpu") > 0
-
-
 def test_draft_vocabulary_restricts_drafts_not_output(arch_models):
     """A drafter with a draft vocabulary (speculative/draft_head.py): draft logits equal the full
     head's on its rows and are -inf elsewhere; greedy output is unchanged; draft_vocab=False and a
