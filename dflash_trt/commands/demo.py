@@ -38,7 +38,8 @@ def register(sub) -> None:
     e = p.add_argument_group("decoding")
     e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     e.add_argument("--draft-confidence", type=float, default=0.0,
-                   help="verify drafts only while the drafter is this confident, 0 = the whole block")
+                   help="verify drafts only while the drafter is this confident, 0 = the whole block "
+                        "(default: %(default)s)")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
     p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
 
