@@ -156,11 +156,8 @@ def write_drafter(drafter, out_dir: Path, algo: str | QuantAlgo, calibration=Non
     state = quantize_state({k: v.detach() for k, v in drafter.state_dict().items()}, plan, amax, export_dtype=dtype)
     config = drafter.cfg.to_dict()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    from dflash_trt.models.drafter import DRAFT_VOCAB_FILE, DRAFT_VOCAB_FORMAT
-
-    extra = None if drafter.draft_vocab is None else {
-        DRAFT_VOCAB_FILE: {"format": DRAFT_VOCAB_FORMAT, "token_ids": drafter.draft_vocab.tolist()}}
-    return _write(out_dir, config, plan, state, calibration, {"drafter": source_dir}, None, extra)
+    return _write(out_dir, config, plan, state, calibration, {"drafter": source_dir}, None,
+                  drafter.draft_vocab_files())
 
 
 def read_quant_config(directory: Path) -> dict:
@@ -201,7 +198,7 @@ def load_target(directory: Path, dtype: torch.dtype = torch.float32):
 def load_drafter(directory: Path, dtype: torch.dtype = torch.float32):
     """A DFlashDrafter with QuantLinear layers from a ModelOpt-HF drafter directory."""
     from dflash_trt.config import DrafterConfig
-    from dflash_trt.models.drafter import DRAFT_VOCAB_FILE, DFlashDrafter, read_draft_vocab
+    from dflash_trt.models.drafter import DFlashDrafter
 
     directory = Path(directory)
     quant = read_quant_config(directory)
@@ -210,8 +207,7 @@ def load_drafter(directory: Path, dtype: torch.dtype = torch.float32):
     model = DFlashDrafter(DrafterConfig.from_dict(raw, where=str(directory / "config.json"))).to(dtype)
     model = load_quantized_state(model, read_state_dict(directory), parse_quant_algo(quant["quant_algo"]),
                                  str(directory))
-    if (directory / DRAFT_VOCAB_FILE).is_file():
-        model.set_draft_vocab(read_draft_vocab(directory / DRAFT_VOCAB_FILE))
+    model.load_draft_vocab(directory)
     return model
 
 

@@ -159,6 +159,18 @@ class DFlashDrafter(nn.Module):
                                   f"got {int(ids[0])}..{int(ids[-1])}")
         self.draft_vocab = ids
 
+    def draft_vocab_files(self) -> dict[str, dict]:
+        """{file name: JSON body} of the draft vocabulary, for a checkpoint writer ({} without one)."""
+        if self.draft_vocab is None:
+            return {}
+        return {DRAFT_VOCAB_FILE: {"format": DRAFT_VOCAB_FORMAT, "token_ids": self.draft_vocab.tolist()}}
+
+    def load_draft_vocab(self, directory: Path) -> None:
+        """Take the draft vocabulary of a checkpoint directory, when it has one."""
+        path = Path(directory) / DRAFT_VOCAB_FILE
+        if path.is_file():
+            self.set_draft_vocab(read_draft_vocab(path))
+
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
@@ -258,9 +270,7 @@ class DFlashDrafter(nn.Module):
         check_state_dict(state, model.state_dict(), f"drafter checkpoint {directory} (per its config.json)")
         model.checkpoint_dtype = {name: t.dtype for name, t in state.items()}
         model.load_state_dict(state, strict=True)
-        vocab_file = directory / DRAFT_VOCAB_FILE
-        if vocab_file.is_file():
-            model.set_draft_vocab(read_draft_vocab(vocab_file))
+        model.load_draft_vocab(directory)
         return model.to(dtype).eval()
 
     def save_pretrained(self, directory: Path, dtype: torch.dtype | None = None) -> Path:
@@ -274,9 +284,8 @@ class DFlashDrafter(nn.Module):
         with atomic_directory(Path(directory)) as tmp:
             write_json(tmp / "config.json", self.cfg.to_dict())
             write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
-            if self.draft_vocab is not None:
-                write_json(tmp / DRAFT_VOCAB_FILE, {"format": DRAFT_VOCAB_FORMAT,
-                                                    "token_ids": self.draft_vocab.tolist()})
+            for name, body in self.draft_vocab_files().items():
+                write_json(tmp / name, body)
         return Path(directory)
 
 

@@ -15,13 +15,12 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from dflash_trt.fileio import check_state_dict, read_state_dict
 from dflash_trt.config import TargetInfo
 from dflash_trt.errors import CheckpointError, ConfigError, InputError
 from dflash_trt.engine import TargetOutput
-from dflash_trt.models.transformer import NativeCausalLM
+from dflash_trt.models.transformer import NativeCausalLM, plain_linear_weight
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +163,7 @@ class HFTarget:
         return self.model.get_output_embeddings()(hidden)
 
     def head_weight(self) -> torch.Tensor | None:
-        head = self.model.get_output_embeddings()
-        return head.weight if type(head) is nn.Linear and head.bias is None else None
+        return plain_linear_weight(self.model.get_output_embeddings())
 
     @torch.inference_mode()
     def forward(self, cache: HFCache, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -49,6 +49,11 @@ ARCHS: dict[str, Architecture] = {
 }
 
 
+def plain_linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight of a plain bias-free nn.Linear (not a subclass such as TP's vocab-parallel head), else None."""
+    return module.weight if type(module) is nn.Linear and module.bias is None else None
+
+
 def head_dim_of(config) -> int:
     """A HF config's head_dim (an optional field: hidden_size // num_attention_heads when absent)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -239,8 +244,7 @@ class NativeCausalLM(nn.Module):
 
     def head_weight(self) -> torch.Tensor | None:
         """lm_head.weight [vocab, H]; None when the head is not a plain bias-free Linear (TP's vocab-parallel head)."""
-        head = self.lm_head
-        return head.weight if type(head) is nn.Linear and head.bias is None else None
+        return plain_linear_weight(self.lm_head)
 
     def forward(
         self,

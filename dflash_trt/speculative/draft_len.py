@@ -22,6 +22,7 @@ import torch
 
 from dflash_trt.errors import ConfigError
 
+
 def check_schedule(schedule: tuple[tuple[int, int], ...], max_drafts: int) -> None:
     """Thresholds >= 1, unique, one at 1; lengths in [0, max_drafts]."""
     keys = [k for k, _ in schedule]
