@@ -6,7 +6,9 @@ The run, as numbered in `Trainer.run`:
   2. drafter: fresh (Qwen3-style layers at the target's width) or `drafter_init`; the target,
      its embedding and lm_head stay frozen and are not part of the drafter checkpoint;
   3. steps: random anchors in the responses -> block-sparse forward -> position-weighted CE
-     (features.py, loss.py); AdamW, cosine LR with warmup, grad-norm clip;
+     (features.py, loss.py); AdamW, cosine LR with warmup, grad-norm clip; with `bf16`, the
+     forward and backward run under bf16 autocast (mixed precision: fp32 master weights and
+     optimizer state; held-out metrics and eval stay fp32);
   4. a progress bar with loss, the in-batch acceptance length and a periodic eval tau (the real
      engine, greedy, on held-out prompts); checkpoints every `save_every` steps, written
      atomically (a new step directory, then the `latest.json` pointer), with model, optimizer,
@@ -85,6 +87,7 @@ class TrainConfig:
     topk: int = 0  # teacher log-probs recorded per response token during regeneration
     heldout_every: int = 0  # steps between held-out block metrics (0: off)
     train_vocab: int = 0  # >0: the loss runs over the most frequent `train_vocab` data tokens only (speed)
+    bf16: bool = False  # bf16 autocast of the training forward/backward; weights and AdamW state stay fp32
 
     def __post_init__(self) -> None:
         positive = {"num_layers": self.num_layers, "block_size": self.block_size, "steps": self.steps,
@@ -295,7 +298,8 @@ class Trainer:
                 idx = torch.randint(len(self.samples), (c.batch_size,), generator=gen).tolist()
                 batch = make_batch([self.samples[i].load() for i in idx], c.anchors_per_seq,
                                    self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id, gen)
-                out = block_loss(drafter, self.target, batch, gamma, c.kd_weight, vocab)
+                with torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=c.bf16):
+                    out = block_loss(drafter, self.target, batch, gamma, c.kd_weight, vocab)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), c.grad_clip)

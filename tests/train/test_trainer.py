@@ -181,6 +181,21 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(target_dir, tmp_path):
         torch.testing.assert_close(final.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_autocast_trains_like_fp32_and_keeps_fp32_weights(target_dir, tmp_path):
+    """--bf16: the same run under bf16 autocast gives losses within bf16 rounding of the fp32 run's
+    (and not bit-equal: autocast is in effect), and the drafter and its output stay fp32."""
+    prompts = _prompts(24, seed=4)
+    losses = {}
+    for bf16 in (False, True):
+        kw = dict(steps=4, batch_size=4, anchors_per_seq=4, max_new_tokens=16, bf16=bf16)
+        trainer = Trainer(_config(target_dir, tmp_path / str(bf16), **kw), prompts, [])
+        drafter = trainer.run()
+        assert {p.dtype for p in drafter.parameters()} == {torch.float32}
+        losses[bf16] = [loss for _, loss in trainer.state.losses]
+    assert losses[True] != losses[False]
+    torch.testing.assert_close(losses[True], losses[False], rtol=0.03, atol=0.0)
+
+
 def test_cli_training_prompts_exclude_the_eval_sets():
     from dflash_trt.bench.datasets import humaneval_entry_points, load_humaneval, load_mtbench
     from dflash_trt.commands.train import training_prompts
