@@ -105,6 +105,9 @@ def training_curves_plot(runs: dict[str, list[tuple[int, int, float]]], path: Pa
             axes[1].plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
         axes[0].set_xlabel("optimizer steps")
         axes[1].set_xlabel("anchored blocks seen (steps x sequences x anchors)")
+        from matplotlib.ticker import EngFormatter
+
+        axes[1].xaxis.set_major_formatter(EngFormatter(sep=""))  # 250k, 1M: no overlapping 7-digit labels
         axes[0].set_ylabel("held-out acceptance length (tau, drafts as-is)")
         for ax in axes:
             ax.grid(True, alpha=0.3)
