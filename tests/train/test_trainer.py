@@ -183,7 +183,7 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(target_dir, tmp_path):
 
 def test_bf16_autocast_trains_like_fp32_and_keeps_fp32_weights(target_dir, tmp_path):
     """--bf16: the same run under bf16 autocast gives losses within bf16 rounding of the fp32 run's
-    (and not bit-equal: autocast is in effect), and the drafter and its output stay fp32."""
+    (and not bit-equal: autocast is in effect), and the trained drafter's weights stay fp32."""
     prompts = _prompts(24, seed=4)
     losses = {}
     for bf16 in (False, True):
