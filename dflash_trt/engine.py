@@ -78,6 +78,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+NGRAM_MAX_MATCH = 8  # n-gram lookup counts match lengths up to this many tokens (speculative/ngram.py)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's limits and mode (both backends read the same fields)."""
@@ -94,6 +97,9 @@ class EngineConfig:
     # draft over the drafter's draft vocabulary (draft_vocab.json, models/drafter.py) when it ships one;
     # False = the whole vocabulary. Verification is the same either way, so output is too.
     draft_vocab: bool = True
+    # n-gram lookup drafts (speculative/ngram.py): a row whose history ends with a match of at least this
+    # many tokens verifies the lookup's continuation instead of the drafter's block; 0 = off
+    ngram_lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size is not None and not 1 <= self.block_size <= 64:
@@ -106,6 +112,8 @@ class EngineConfig:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise ConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if not 0 <= self.ngram_lookup <= NGRAM_MAX_MATCH:
+            raise ConfigError(f"ngram_lookup must be in [0, {NGRAM_MAX_MATCH}] (0 = off), got {self.ngram_lookup}")
 
     def for_models(self, info: TargetInfo, drafter_block_size: int | None, kv_itemsize: int) -> "EngineConfig":
         """This config checked against the loaded models, with max_seq_len filled in (the rules every
@@ -139,6 +147,7 @@ def default_max_seq_len(info: TargetInfo, max_batch_size: int, kv_itemsize: int)
 class StepStat:
     draft_tokens: int  # drafts verified this step (<= block_size - 1; 0 when autoregressive or none kept)
     accepted: int  # drafts accepted (0..draft_tokens); the step commits accepted + 1 tokens
+    lookup: bool = False  # the drafts came from n-gram lookup (EngineConfig.ngram_lookup), not the drafter
 
 
 @dataclass(frozen=True)

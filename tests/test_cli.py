@@ -235,6 +235,7 @@ def test_block_size_above_the_drafters_is_an_error_in_every_command(ckpt, tmp_pa
     (["--block-size", "16"], "exceeds the block size 8 the drafter"),  # the shipped drafter is block 8
     (["--block-size", "0"], "block_size must be in [1, 64]"),
     (["--draft-confidence", "1.5"], "draft_confidence must be in [0, 1)"),
+    (["--ngram-lookup", "9"], "ngram_lookup must be in [0, 8]"),
     (["--tiny", "--drafter", "."], "--drafter does nothing with --tiny"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else None)
 def test_demo_checks_its_flags_before_loading_the_default(tmp_path, extra, message):
@@ -275,6 +276,9 @@ def test_demo_interleaves_timed_runs_after_a_warm_up():
     runs = [line.split("(runs ")[1].rstrip(" s)").split() for line in out.splitlines() if "(runs " in line]
     assert len(runs) == 2 and all(len(r) == 2 for r in runs)  # AR and DFlash, 2 timed runs each
     assert "speedup:" in out and "median AR time / median DFlash time" in out
+    assert "--ngram-lookup" not in out
+    lookup = cli("demo", "--tiny", "--max-new-tokens", "24", "--repeats", "1", "--ngram-lookup", "1").stdout
+    assert "--ngram-lookup 1: " in lookup and "steps drafted by lookup" in lookup
     bad = cli("demo", "--tiny", "--repeats", "0", check=False)
     assert bad.returncode == 2 and "--repeats" in bad.stderr and "Traceback" not in bad.stderr
     for flag in ("--no-spec", "--max-batch-size", "--acceptance"):  # flags that would do nothing in a demo

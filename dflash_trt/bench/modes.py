@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from dflash_trt.errors import DFlashError, InputError
-from dflash_trt.engine import EngineConfig, SamplingParams
+from dflash_trt.engine import NGRAM_MAX_MATCH, EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class ModeOutput:
     accepted: list[int] | None = None  # drafts accepted at each step (engine DFlash only)
     draft_tokens: int = 0  # drafts a step may verify (block_size - 1; 0 for autoregressive)
     verified: list[int] | None = None  # drafts actually verified at each step (engine DFlash only)
+    lookup_steps: int | None = None  # steps whose drafts came from n-gram lookup (engine DFlash only)
 
 
 @dataclass
@@ -101,14 +102,35 @@ def confidence_of(mode: str) -> float | None:
     return confidence
 
 
+def ngram_of(mode: str) -> int | None:
+    """The minimum match of a `dflash-ngram@N` mode (DFlash with n-gram lookup drafts where the text
+    repeats at least N tokens, speculative/ngram.py); None for any other name."""
+    name, sep, value = mode.partition("@")
+    if name != "dflash-ngram" or not sep:
+        return None
+    try:
+        n = int(value)
+    except ValueError as exc:
+        raise InputError(f"mode '{mode}': dflash-ngram@N takes an integer N (the shortest repeat to look up)") from exc
+    if not 1 <= n <= NGRAM_MAX_MATCH:
+        raise InputError(f"mode '{mode}': dflash-ngram@N takes N in [1, {NGRAM_MAX_MATCH}], got {n}")
+    return n
+
+
+def parametric(mode: str) -> bool:
+    """A `dflash@C` or `dflash-ngram@N` mode: an engine mode with one setting in its name."""
+    return confidence_of(mode) is not None or ngram_of(mode) is not None
+
+
 def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> EngineConfig:
     """The engine settings of an engine mode: `dflash` as configured (draft truncation and schedule
     included), `dflash-full` always verifying the whole block, `dflash-full-vocab` as configured but
     drafting over the whole vocabulary (no draft vocabulary), `dflash@C` truncating drafts at
-    confidence C, `ar` without the drafter."""
-    confidence = confidence_of(mode)
-    if mode not in ENGINE_MODES and confidence is None:
-        raise InputError(f"'{mode}' is not an engine mode ({', '.join(ENGINE_MODES)}, dflash@C)")
+    confidence C, `dflash-ngram@N` with n-gram lookup drafts on repeats of >= N tokens, `ar` without
+    the drafter."""
+    confidence, ngram = confidence_of(mode), ngram_of(mode)
+    if mode not in ENGINE_MODES and confidence is None and ngram is None:
+        raise InputError(f"'{mode}' is not an engine mode ({', '.join(ENGINE_MODES)}, dflash@C, dflash-ngram@N)")
     cfg = replace(base, speculative=mode != "ar", max_batch_size=max_batch_size)
     if mode == "dflash-full":
         cfg = replace(cfg, draft_confidence=0.0, draft_len_schedule=None)
@@ -116,6 +138,8 @@ def mode_engine_config(base: EngineConfig, mode: str, max_batch_size: int) -> En
         cfg = replace(cfg, draft_vocab=False)
     if confidence is not None:
         cfg = replace(cfg, draft_confidence=confidence)
+    if ngram is not None:
+        cfg = replace(cfg, ngram_lookup=ngram)
     return cfg
 
 
@@ -138,7 +162,8 @@ class EngineMode(BenchMode):
         return ModeOutput(tokens=list(result.tokens), time_s=elapsed, ttft_s=result.time_to_first_token_s,
                           steps=len(result.steps), accepted=[s.accepted for s in result.steps] if speculative else None,
                           draft_tokens=self.engine.block_size - 1,
-                          verified=[s.draft_tokens for s in result.steps] if speculative else None)
+                          verified=[s.draft_tokens for s in result.steps] if speculative else None,
+                          lookup_steps=sum(s.lookup for s in result.steps) if speculative else None)
 
 
 class _ForwardClock:
@@ -276,9 +301,10 @@ def parse_modes(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
         raise InputError("--modes is empty: name at least one of " + ", ".join(MODES))
-    unknown = [m for m in names if m not in MODES and confidence_of(m) is None]
+    unknown = [m for m in names if m not in MODES and not parametric(m)]
     if unknown:
-        raise InputError(f"unknown modes {unknown}; choose from {', '.join(MODES)}, dflash@C (C in [0, 1))")
+        raise InputError(f"unknown modes {unknown}; choose from {', '.join(MODES)}, dflash@C (C in [0, 1)), "
+                         f"dflash-ngram@N (N in [1, {NGRAM_MAX_MATCH}])")
     if len(set(names)) != len(names):
         raise InputError(f"--modes names a mode twice: {names}")
     return names
@@ -289,7 +315,7 @@ def build_modes(names: list[str], ctx: ModeContext) -> tuple[list[BenchMode], di
     modes, skipped = [], {}
     for name in names:
         try:
-            factory = EngineMode if confidence_of(name) is not None else MODES[name]
+            factory = EngineMode if parametric(name) else MODES[name]
             modes.append(factory(name, ctx))
         except ModeUnavailable as exc:
             log.warning("bench: skipping mode %s: %s", name, exc)

@@ -53,6 +53,7 @@ class Record:
     order: int  # this mode's position in the prompt's rotated mode order
     matches_reference: bool
     verified: list[int] | None = None  # drafts verified per step (engine DFlash; < draft_tokens when truncated)
+    lookup_steps: int | None = None  # steps drafted by n-gram lookup (engine DFlash with ngram_lookup)
 
 
 def tau_of(tokens: int, steps: int | None, accepted: list[int] | None) -> float | None:
@@ -123,6 +124,8 @@ def _summary(rs: list[Record], base: dict) -> dict:
             "mean_ttft_s": _mean([r.ttft_s for r in rs]),
             "tau": committed / steps if steps else None,
             "verified_per_step": _mean([sum(r.verified) / len(r.verified) for r in rs if r.verified]),
+            "lookup_share": (sum(r.lookup_steps for r in rs if r.lookup_steps is not None) / steps
+                             if steps and any(r.lookup_steps for r in rs) else None),
             "speedup_vs_ar_geomean": _geomean(ratios)}
 
 

@@ -161,7 +161,7 @@ def run_batch1(modes: list[BenchMode], prompts: list[BenchPrompt], cfg: BenchCon
                 ttft_s=out.ttft_s, tokens_per_s=len(out.tokens) / out.time_s if out.time_s > 0 else 0.0,
                 steps=out.steps, accepted=out.accepted, draft_tokens=out.draft_tokens,
                 tau=tau_of(len(out.tokens), out.steps, out.accepted), order=pos, matches_reference=diff is None,
-                verified=out.verified))
+                verified=out.verified, lookup_steps=out.lookup_steps))
     return records, errors
 
 

@@ -38,7 +38,8 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="prompts per dataset (spread over categories)")
     p.add_argument("--modes", default="dflash,ar,hf-generate,hf-prompt-lookup,dflash-reference",
                    help="comma-separated modes for the batch-1 comparison: dflash (as configured), dflash-full (whole "
-                        "blocks), dflash-full-vocab (no draft vocabulary), dflash@C (draft confidence C: a threshold sweep), ar, "
+                        "blocks), dflash-full-vocab (no draft vocabulary), dflash@C (draft confidence C: a threshold sweep), "
+                        "dflash-ngram@N (n-gram lookup drafts on repeats of >= N tokens), ar, "
                         "hf-generate, hf-prompt-lookup, "
                         "dflash-reference")
     p.add_argument("--concurrency", type=_ints, default=None,

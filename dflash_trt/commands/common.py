@@ -43,6 +43,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--draft-len-schedule", type=parse_draft_len_schedule, default=None, metavar="B:K,...",
                    help="drafts per row by batch size, as TensorRT-LLM's draft_len_schedule: '1:7,4:3,8:0' = 7 drafts "
                         "below 4 rows, 3 below 8, none from 8 rows up")
+    e.add_argument("--ngram-lookup", type=int, default=0, metavar="N",
+                   help="n-gram lookup drafts: a row whose text ends with a repeat of at least N tokens verifies "
+                        "what followed the earlier occurrence instead of the drafter's block (0 = off); output is "
+                        "unchanged, only speed (measure with `bench --modes dflash-ngram@N,...`)")
     e.add_argument("--no-draft-vocab", action="store_true",
                    help="draft over the whole vocabulary even when the drafter ships a draft vocabulary "
                         "(draft_vocab.json); output is the same, drafting slower")
@@ -111,7 +115,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_batch_size=args.max_batch_size,
                         max_seq_len=args.max_seq_len, speculative=not args.no_spec, acceptance=args.acceptance,
                         draft_confidence=args.draft_confidence, draft_len_schedule=args.draft_len_schedule,
-                        draft_vocab=not args.no_draft_vocab)
+                        draft_vocab=not args.no_draft_vocab, ngram_lookup=args.ngram_lookup)
 
 
 def check_model_flags(args: argparse.Namespace) -> EngineConfig:

@@ -40,6 +40,9 @@ def register(sub) -> None:
     e.add_argument("--draft-confidence", type=float, default=0.0,
                    help="verify drafts only while the drafter is this confident, 0 = the whole block "
                         "(default: %(default)s)")
+    e.add_argument("--ngram-lookup", type=int, default=0, metavar="N",
+                   help="DFlash with n-gram lookup drafts where the text repeats >= N tokens, 0 = off "
+                        "(default: %(default)s)")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
     p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
 
@@ -52,7 +55,7 @@ def _check(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise ConfigError("--prompt is empty")
     # the engine values and the block size against the drafter's config.json, before a model is loaded
-    EngineConfig(block_size=args.block_size, draft_confidence=args.draft_confidence)
+    EngineConfig(block_size=args.block_size, draft_confidence=args.draft_confidence, ngram_lookup=args.ngram_lookup)
     if args.tiny:
         if args.drafter is not None:
             raise ConfigError("--drafter does nothing with --tiny (it builds its own random drafter): drop one of them")
@@ -88,6 +91,12 @@ def _vocab_note(engine) -> str:
     return f", draft vocabulary {head.ids.numel()} of {head.vocab_size} tokens" if head.restricted else ""
 
 
+def _lookup_note(result: GenerationResult, min_match: int) -> str:
+    if not min_match:
+        return ""
+    return f", --ngram-lookup {min_match}: {sum(s.lookup for s in result.steps)} steps drafted by lookup"
+
+
 def run(args: argparse.Namespace) -> int:
     _check(args)
     if args.tiny:
@@ -100,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         ids = prompt_ids(models, args.prompt, None, chat=True)
     info = models.target.info
     cfg = EngineConfig(block_size=args.block_size, max_batch_size=1, draft_confidence=args.draft_confidence,
+                       ngram_lookup=args.ngram_lookup,
                        max_seq_len=min(info.max_position_embeddings, len(ids) + args.max_new_tokens + 64))
     engines = {"autoregressive": models.engine(replace(cfg, speculative=False)), "dflash": models.engine(cfg)}
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -131,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
           f"  (runs {runs['dflash']} s)")
     print(f"                tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps, "
           f"{verified:.1f} of {block - 1} drafts verified per step (block {block}, "
-          f"--draft-confidence {engines['dflash'].config.draft_confidence:g}{_vocab_note(engines['dflash'])})")
+          f"--draft-confidence {engines['dflash'].config.draft_confidence:g}{_vocab_note(engines['dflash'])}"
+          f"{_lookup_note(df, cfg.ngram_lookup)})")
     print(f"speedup: {med['autoregressive'] / med['dflash']:.2f}x (median AR time / median DFlash time; "
           f"same engine, same process)")
     sys.stdout.flush()

@@ -30,7 +30,7 @@ REPO_FLAGS = {  # flag dest -> (section or None, settings key)
     "max_queue": ("scheduler", "max_queue"), "token_budget": ("scheduler", "token_budget"),
     "decoupled": ("triton_config", "decoupled"),
     "draft_confidence": ("engine", "draft_confidence"), "draft_len_schedule": ("engine", "draft_len_schedule"),
-    "no_draft_vocab": ("engine", "draft_vocab"),
+    "no_draft_vocab": ("engine", "draft_vocab"), "ngram_lookup": ("engine", "ngram_lookup"),
 }
 
 

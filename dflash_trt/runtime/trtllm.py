@@ -178,6 +178,9 @@ def llm_arguments(load: LoadConfig, config: EngineConfig, options: TrtllmOptions
     if config.draft_confidence:  # 0: the whole block, what TensorRT-LLM verifies
         raise ConfigError(f"draft_confidence {config.draft_confidence} is a torch-backend setting: TensorRT-LLM's "
                           "DFlash verifies every draft it proposes; drop --draft-confidence with --backend trtllm")
+    if config.ngram_lookup:
+        raise ConfigError(f"ngram_lookup {config.ngram_lookup} is a torch-backend setting: TensorRT-LLM's DFlash "
+                          "drafts with the drafter only; drop --ngram-lookup with --backend trtllm")
     if config.draft_len_schedule is not None:
         # upstream's key convention is not one across versions: keys as lower bounds ({1: 7, 4: 3, 8: 0};
         # _torch/speculative/drafter.py get_draft_len_for_batch_size, "largest threshold <= batch_size") in

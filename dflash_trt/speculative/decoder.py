@@ -2,7 +2,9 @@
 
 One step for the whole batch, as numbered in `DFlashEngine.step`:
   1. build each row's block [pending token, mask, ...] at its own absolute positions;
-  2. ONE drafter forward for all rows (new context features + block) -> draft tokens;
+  2. ONE drafter forward for all rows (new context features + block) -> draft tokens; with n-gram
+     lookup on (speculative/ngram.py), rows whose history repeats itself take the lookup's draft
+     instead, and a step where every row does skips the drafter forward;
   3. ONE target forward for all rows over the blocks -> logits and tapped hidden states;
   4. acceptance per row (speculative/verify.py): longest prefix equal to the target's choices + bonus;
   5. commit: emit tokens with stop checks, crop both caches to each row's committed length,
@@ -26,6 +28,7 @@ from dflash_trt.errors import ConfigError, InputError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.speculative.draft_head import DraftHead
 from dflash_trt.speculative.draft_len import check_schedule, confident_lengths, scheduled_drafts
+from dflash_trt.speculative.ngram import lookup_continuation
 from dflash_trt.speculative.sampling import inverse_cdf, new_generator, processed_probs
 from dflash_trt.speculative.verify import accept_rejection, accept_tokens
 
@@ -127,13 +130,22 @@ class DFlashEngine:
         start, block_pos, block = start.to(self.device), block_pos.to(self.device), block.to(self.device)
         draft_probs = None
         lens = torch.zeros(n, dtype=torch.long, device=self.device)  # drafts verified per row
-        # 2. one drafter forward (skipped when the batch-size schedule allows no drafts)
+        # 2. one drafter forward (skipped when the batch-size schedule allows no drafts, or when every
+        #    row drafts by n-gram lookup)
         drafts = scheduled_drafts(self.config.draft_len_schedule, n, t - 1) if self.speculative else 0
-        if drafts:
+        lookups = self._lookups(seqs, drafts)  # per row: n-gram continuation, [] where none
+        drafted = bool(drafts) and not all(lookups)
+        if drafted:
             hidden = self._draft_forward(seqs, block, block_pos, rows)
             draft_logits = self.draft_head(hidden[:, 1:])  # [B, K, V]
             block[:, 1:], draft_probs = self._propose(draft_logits, seqs)
             lens = self._draft_lengths(draft_logits, drafts)
+        if any(lookups):
+            for i, cont in enumerate(lookups):
+                if cont:
+                    block[i, 1 : 1 + len(cont)] = torch.tensor(cont, device=self.device)
+                    lens[i] = len(cont)
+        if drafts:
             t = int(lens.max()) + 1  # verify only as far as the longest kept draft
             block, block_pos = block[:, :t], block_pos[:, :t]
             draft_probs = draft_probs[:, : t - 1] if draft_probs is not None else None
@@ -150,10 +162,10 @@ class DFlashEngine:
         accepted_l, bonus_l, block_l, lens_l = accepted.tolist(), bonus.tolist(), block.tolist(), lens.tolist()
         for i, s in enumerate(seqs):
             a = accepted_l[i]
-            s.steps.append(StepStat(draft_tokens=lens_l[i], accepted=a))
+            s.steps.append(StepStat(draft_tokens=lens_l[i], accepted=a, lookup=bool(lookups[i])))
             if self.speculative:
                 new_ctx = out.target_hidden[i, : a + 1]
-                if drafts:  # the drafter consumed the pending context this step
+                if drafted:  # the drafter consumed the pending context this step
                     s.ctx_hidden, s.ctx_pos = new_ctx, s.start
                 else:  # no drafter forward: the context waits for the next one
                     s.ctx_hidden = torch.cat([s.ctx_hidden, new_ctx])
@@ -162,6 +174,17 @@ class DFlashEngine:
             outputs.append(StepOutput(s, self._emit(s, block_l[i][1 : a + 1] + [s.pending])))
         self._retire()
         return outputs
+
+    def _lookups(self, seqs, drafts: int) -> list[list[int]]:
+        """Per row, the n-gram lookup's draft (speculative/ngram.py), at most `drafts` tokens; [] where
+        lookup is off, finds no match, or the row samples with rejection acceptance (which needs q)."""
+        min_match = self.config.ngram_lookup
+        if not (drafts and min_match):
+            return [[] for _ in seqs]
+        rejection = self.config.acceptance == "rejection"
+        return [[] if rejection and not s.params.greedy else
+                lookup_continuation(s.prompt + s.tokens, min_match, drafts)  # s.tokens ends with s.pending
+                for s in seqs]
 
     def _draft_forward(self, seqs, block, block_pos, rows) -> torch.Tensor:
         width = max(s.ctx_hidden.shape[0] for s in seqs)

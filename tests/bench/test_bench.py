@@ -161,17 +161,19 @@ def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
 
 
 def test_confidence_sweep_modes(tiny, tmp_path, capsys):
-    """dflash@C modes: one threshold each, same output; @0 verifies whole blocks."""
+    """dflash@C modes: one threshold each, same output; @0 verifies whole blocks; dflash-ngram@N drafts
+    some steps by n-gram lookup (a tiny target's greedy text repeats itself)."""
     rc = bench(tiny, tmp_path, "--dataset", str(tiny[2]), "--limit", "2", "--modes",
-               "dflash@0,dflash@0.9,dflash-full-vocab,ar",
+               "dflash@0,dflash@0.9,dflash-full-vocab,dflash-ngram@1,ar",
                "--concurrency", "", "--no-plots", "--no-warmup")
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["errors"] == []
-    assert report["modes"]["measured"] == ["dflash@0", "dflash@0.9", "dflash-full-vocab", "ar"]
+    assert report["modes"]["measured"] == ["dflash@0", "dflash@0.9", "dflash-full-vocab", "dflash-ngram@1", "ar"]
     by_mode = {r["mode"]: r for r in report["aggregates"]["by_dataset"]}
     assert by_mode["dflash@0"]["verified_per_step"] == BLOCK - 1
     assert by_mode["dflash@0.9"]["verified_per_step"] < BLOCK - 1
+    assert by_mode["dflash-ngram@1"]["lookup_share"] > 0 and by_mode["dflash@0"]["lookup_share"] is None
 
 
 @pytest.fixture
@@ -223,6 +225,8 @@ def test_no_spec_skips_drafter_modes(tiny, tmp_path):
     (["--modes", "dflash,nope"], "unknown modes"),
     (["--modes", "dflash@1.5"], "C in [0, 1)"),
     (["--modes", "dflash@x"], "takes a number"),
+    (["--modes", "dflash-ngram@0"], "N in [1, 8]"),
+    (["--modes", "dflash-ngram@two"], "takes an integer"),
     (["--dataset", "squad"], "unknown dataset"),
     (["--limit", "0"], "--limit"),
     (["--prompt-lookup-tokens", "0"], "--prompt-lookup-tokens must be >= 1"),

@@ -191,7 +191,7 @@ def test_llm_arguments_keep_one_place_per_setting(ckpt):
     with pytest.raises(ConfigError, match="max_draft_len"):
         speculative_config(ckpt[1], drafter, 0)
     # torch-only draft-length settings are refused, not dropped
-    for setting, message in [({"draft_confidence": 0.1}, "torch-backend setting"),
+    for setting, message in [({"draft_confidence": 0.1}, "torch-backend setting"), ({"ngram_lookup": 3}, "torch-backend setting"),
                              ({"draft_len_schedule": ((1, 3), (4, 0))}, "not translated")]:
         with pytest.raises(ConfigError, match=message):
             llm_arguments(load, replace(config, **setting), TrtllmOptions({}), (drafter, BLOCK), (9, 0))

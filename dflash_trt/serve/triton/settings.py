@@ -18,7 +18,8 @@ Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` st
     default_max_tokens: 128   # when a request has no sampling_param_max_tokens
     torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
     engine: {block_size: null, max_batch_size: 8, max_seq_len: null, speculative: true, acceptance: exact,
-             draft_confidence: 0.0, draft_len_schedule: null, draft_vocab: true}
+             draft_confidence: 0.0, draft_len_schedule: null, draft_vocab: true,
+             ngram_lookup: 0}
     scheduler: {max_queue: 256, token_budget: 4096}
     trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
     mpi: spawn                # backend trtllm: spawn (one tritonserver, TensorRT-LLM spawns its TP workers)
@@ -37,7 +38,7 @@ from dflash_trt.config import DrafterConfig, check_block_size, load_yaml_file, v
 from dflash_trt.errors import ConfigError
 from dflash_trt.runtime.factory import LoadConfig
 from dflash_trt.runtime.scheduler import SchedulerConfig
-from dflash_trt.engine import EngineConfig
+from dflash_trt.engine import NGRAM_MAX_MATCH, EngineConfig
 
 MODEL_YAML = "model.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -57,6 +58,7 @@ class EngineSection(_Strict):
     draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)  # 0: the whole block
     draft_len_schedule: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = None  # [[B, K], ...]
     draft_vocab: bool = True
+    ngram_lookup: int = Field(default=0, ge=0, le=NGRAM_MAX_MATCH)  # n-gram lookup drafts (speculative/ngram.py)
 
 
 class SchedulerSection(_Strict):
