@@ -251,10 +251,10 @@ def markdown(report: dict) -> str:
         lines += ["## Batch 1 (modes interleaved prompt by prompt, greedy)", ""]
         rows = [[a["dataset"], a["mode"], str(a["prompts"]), str(a["tokens"]), _f(a["tokens_per_s"]),
                  _f(a["mean_ttft_s"], ".0f", 1e3), _f(a["tau"]), _f(a.get("verified_per_step")),
-                 _f(a["speedup_vs_ar_geomean"])]
+                 _f(a.get("lookup_share")), _f(a["speedup_vs_ar_geomean"])]
                 for a in report["aggregates"]["by_dataset"]]
         lines += _table(["dataset", "mode", "prompts", "tokens", "tok/s", "TTFT ms", "tau", "drafts verified/step",
-                         "speedup vs ar"], rows)
+                         "steps by lookup", "speedup vs ar"], rows)
         cats = [a for a in report["aggregates"]["by_category"] if a["dataset"] == "mtbench"]
         if cats:
             lines += ["", "### MT-Bench by category", ""]

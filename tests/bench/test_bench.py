@@ -174,6 +174,8 @@ def test_confidence_sweep_modes(tiny, tmp_path, capsys):
     assert by_mode["dflash@0"]["verified_per_step"] == BLOCK - 1
     assert by_mode["dflash@0.9"]["verified_per_step"] < BLOCK - 1
     assert by_mode["dflash-ngram@1"]["lookup_share"] > 0 and by_mode["dflash@0"]["lookup_share"] is None
+    row = next(line for line in (tmp_path / "report.md").read_text().splitlines() if "| dflash-ngram@1 |" in line)
+    assert f"| {by_mode['dflash-ngram@1']['lookup_share']:.2f} |" in row
 
 
 @pytest.fixture
