@@ -87,11 +87,17 @@ class BenchMode(ABC):
         """Greedy-decode `prompt` for at most `max_new_tokens` tokens (stops at EOS)."""
 
 
+def _setting_text(mode: str, name: str) -> str | None:
+    """The text after '@' of a mode named `name@VALUE`; None for any other name."""
+    head, sep, value = mode.partition("@")
+    return value if head == name and sep else None
+
+
 def confidence_of(mode: str) -> float | None:
     """The threshold of a `dflash@C` mode (DFlash with draft_confidence C: one point of a threshold
     sweep, e.g. `--modes dflash@0,dflash@0.1,dflash@0.2,ar`); None for any other name."""
-    name, sep, value = mode.partition("@")
-    if name != "dflash" or not sep:
+    value = _setting_text(mode, "dflash")
+    if value is None:
         return None
     try:
         confidence = float(value)
@@ -105,8 +111,8 @@ def confidence_of(mode: str) -> float | None:
 def ngram_of(mode: str) -> int | None:
     """The minimum match of a `dflash-ngram@N` mode (DFlash with n-gram lookup drafts where the text
     repeats at least N tokens, speculative/ngram.py); None for any other name."""
-    name, sep, value = mode.partition("@")
-    if name != "dflash-ngram" or not sep:
+    value = _setting_text(mode, "dflash-ngram")
+    if value is None:
         return None
     try:
         n = int(value)

@@ -140,11 +140,10 @@ class DFlashEngine:
             draft_logits = self.draft_head(hidden[:, 1:])  # [B, K, V]
             block[:, 1:], draft_probs = self._propose(draft_logits, seqs)
             lens = self._draft_lengths(draft_logits, drafts)
-        if any(lookups):
-            for i, cont in enumerate(lookups):
-                if cont:
-                    block[i, 1 : 1 + len(cont)] = torch.tensor(cont, device=self.device)
-                    lens[i] = len(cont)
+        for i, cont in enumerate(lookups):
+            if cont:
+                block[i, 1 : 1 + len(cont)] = torch.tensor(cont, device=self.device)
+                lens[i] = len(cont)
         if drafts:
             t = int(lens.max()) + 1  # verify only as far as the longest kept draft
             block, block_pos = block[:, :t], block_pos[:, :t]
