@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 
@@ -268,6 +268,23 @@ class TPSession:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def exit(self, code: int) -> NoReturn:
+        """End this rank with `code` once its work is done: destroy the process group, flush stdio,
+        MPI_Finalize, then os._exit, skipping the interpreter's finalization. Gloo's worker threads
+        can outlive destroy_process_group and, if one drops a tensor while the interpreter is
+        finalizing, its GIL acquire aborts the process (SIGABRT after a successful run; seen here
+        under load; pytorch/pytorch#190489)."""
+        import os
+
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+        os._exit(code)
+
     def __enter__(self) -> "TPSession":
         return self
 
@@ -303,10 +320,10 @@ def install_signal_messages(world: MPIWorld) -> None:
 
 
 def tp_main(config: TPConfig, make_load: Callable[[], LoadConfig], engine_config: EngineConfig,
-            lead: Callable[[object, DFlashEngine], int]) -> int:
+            lead: Callable[[object, DFlashEngine], int]) -> NoReturn:
     """Run one command as a TP job: rank 0 resolves the LoadConfig (e.g. converts the default
     target once) and runs `lead(models, engine)`; the other ranks follow its engine. Any failure
-    on any rank aborts the whole job. Returns this rank's exit code."""
+    on any rank aborts the whole job. Ends the process with this rank's exit code (TPSession.exit)."""
     world = discover_world(config.tp_size)  # the world size is checked before any weight is read
     install_signal_messages(world)
     session = TPSession.start(config)
@@ -322,5 +339,4 @@ def tp_main(config: TPConfig, make_load: Callable[[], LoadConfig], engine_config
             session.stop_followers(0)
         else:
             code = session.follow()
-        session.close()
-    return code
+        session.exit(code)

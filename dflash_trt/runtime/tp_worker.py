@@ -8,7 +8,8 @@ step. `--fail-rank R --fail-after-steps K [--fail-mode exit|hang]` makes rank R 
 after K steps, to test that the job fails as a whole (fault injection for tests; nothing else reads it).
 
 A case: {"target": dir, "drafter": dir | null, "moe_tp_size": 1, "dtype": "float64",
-"prompts": [[ids...]], "max_new_tokens": 24, "block_size": null, "temperature": 0.0, "seed": null}.
+"prompts": [[ids...]], "max_new_tokens": 24, "block_size": null, "temperature": 0.0, "seed": null,
+"ngram_lookup": 0} (ngram_lookup optional: EngineConfig.ngram_lookup).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 
 def run_case(session, case: dict, fail: tuple[int, int, str] | None) -> dict:
@@ -30,7 +32,8 @@ def run_case(session, case: dict, fail: tuple[int, int, str] | None) -> dict:
     mapping = Mapping(session.world.size, case["moe_tp_size"])
     models = session.load(load, mapping)
     config = EngineConfig(block_size=case["block_size"], max_batch_size=max(len(case["prompts"]), 1),
-                          max_seq_len=256, speculative=load.drafter is not None)
+                          max_seq_len=256, speculative=load.drafter is not None,
+                          ngram_lookup=case.get("ngram_lookup", 0))
     engine = session.make_engine(models.target, models.drafter, config, models.detokenize)
     if not session.is_leader:
         on_step = None
@@ -62,10 +65,11 @@ def run_case(session, case: dict, fail: tuple[int, int, str] | None) -> dict:
         "step_seconds": (stamps[-1] - stamps[1]) / (steps - 1) if steps > 1 else None,  # decode steps only
         "collectives": dict(sorted(stats.by_site.items())),  # per call site, prefill + all steps
         "collective_bytes": stats.bytes,
+        "lookup": [[st.lookup for st in r.steps] for r in results],  # per row, per step: drafted by n-gram lookup
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--cases", type=Path, required=True)
@@ -92,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = args.out.with_name(args.out.name + ".tmp")
             tmp.write_text(json.dumps(out))
             os.replace(tmp, args.out)
-        session.close()
-    return 0
+        session.exit(0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Tensor parallelism over real MPI ranks on CPU (mpirun + gloo): greedy DFlash at TP=2 is
 token-identical to TP=1 for Llama, Qwen3 and gpt-oss (expert-parallel and MoE-TP; float experts
 and the MXFP4 release layout), from HF checkpoints sliced on load and from pre-sharded
-rank{N}.safetensors; the `generate --tp` command;
+rank{N}.safetensors, and with n-gram lookup drafts (--ngram-lookup); the `generate --tp` command;
 world-size checks before loading; a rank that dies or hangs fails the whole job in bounded time.
 
 MPI start-up is slow here, so one launch runs many cases (dflash_trt/runtime/tp_worker.py).
@@ -29,6 +29,7 @@ from dflash_trt.engine import EngineConfig, SamplingParams  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10], [3, 11, 12]]  # ragged batch of two
+LOOKUP_PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [3, 11, 12, 3, 11]]  # repeats for n-gram lookup to find
 NEW_TOKENS = 16
 LAYERS = 6  # tiny targets
 
@@ -95,6 +96,10 @@ def test_tp2_greedy_dflash_equals_tp1(ckpts, tmp_path):
     # plus one unseeded sampled run: the followers get rank 0's generator state, and every step
     # checks that all ranks hold the same tokens (a divergence would fail the job)
     cases += json.loads(write_cases(tmp_path / "s.json", ckpts, ["qwen3-moetp1-hf"], temperature=1.0).read_text())
+    # plus n-gram lookup drafts (EngineConfig.ngram_lookup): every rank must take the same
+    # lookup-or-drafter decision each step, or the collectives would not pair up
+    lookup = json.loads(write_cases(tmp_path / "l.json", ckpts, ["qwen3-moetp1-hf"]).read_text())[0]
+    cases.append(dict(lookup, prompts=LOOKUP_PROMPTS, ngram_lookup=1))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     out = tmp_path / "out.json"
     cmd = mpirun(2, sys.executable, "-m", "dflash_trt.runtime.tp_worker", "--tp", "2",
@@ -102,7 +107,8 @@ def test_tp2_greedy_dflash_equals_tp1(ckpts, tmp_path):
     proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert [len(t) for t in results[-1]["tokens"]] == [NEW_TOKENS, NEW_TOKENS]
+    assert [len(t) for t in results[-2]["tokens"]] == [NEW_TOKENS, NEW_TOKENS]
+    check_lookup_case(results[-1], *ckpts["qwen3-moetp1-hf"][:2])
     for name, result in zip(names, results):
         assert result["tokens"] == ckpts[name][3], name
         steps, c = result["steps"], result["collectives"]
@@ -111,6 +117,22 @@ def test_tp2_greedy_dflash_equals_tp1(ckpts, tmp_path):
         # the MLP per layer; per step two embeddings (drafter block, target block) and two heads
         assert c == {"o_proj": LAYERS * (steps + 1), mlp: LAYERS * (steps + 1),
                      "embed": 2 * steps + 1, "lm_head": 2 * steps + 1}, name
+
+
+def check_lookup_case(result: dict, target: Path, drafter: Path) -> None:
+    """TP=2 with --ngram-lookup 1: the TP=1 tokens, and one drafter forward (its embedding and head)
+    fewer for each step where every row drafted by lookup."""
+    models = load_torch(LoadConfig(target, drafter, dtype="float64"))
+    engine = models.engine(EngineConfig(max_batch_size=2, max_seq_len=256, ngram_lookup=1))
+    ref = engine.generate(LOOKUP_PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert result["tokens"] == [r.tokens for r in ref]
+    assert result["lookup"] == [[st.lookup for st in r.steps] for r in ref]
+    flags, steps = result["lookup"], result["steps"]
+    lookup_only = sum(all(row[k] for row in flags if k < len(row)) for k in range(steps))
+    assert 0 < lookup_only < steps  # both kinds of step happened
+    c = result["collectives"]
+    assert c["o_proj"] == LAYERS * (steps + 1)
+    assert c["embed"] == c["lm_head"] == 2 * steps + 1 - lookup_only
 
 
 def test_generate_command_tp2_and_world_size_check(ckpts, tmp_path):
