@@ -21,6 +21,7 @@ an idle server does not spin its followers' CPUs.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import socket
 import sys
@@ -262,21 +263,16 @@ class TPSession:
         if self.is_leader:
             self.channel.send(("stop", code))
 
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
     def exit(self, code: int) -> NoReturn:
         """End this rank with `code` once its work is done: destroy the process group, flush stdio,
         MPI_Finalize, then os._exit, skipping the interpreter's finalization. Gloo's worker threads
         can outlive destroy_process_group and, if one drops a tensor while the interpreter is
         finalizing, its GIL acquire aborts the process (SIGABRT after a successful run; seen here
         under load; pytorch/pytorch#190489)."""
-        import os
+        import torch.distributed as dist
 
-        self.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
         from mpi4py import MPI
@@ -308,7 +304,6 @@ class TPSession:
 
 def install_signal_messages(world: MPIWorld) -> None:
     """Say why a rank ends when the launcher terminates it (another rank failed, or a cancel)."""
-    import os
     import signal
 
     def on_term(signum, frame) -> None:

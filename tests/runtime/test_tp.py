@@ -44,10 +44,11 @@ def mpirun(n: int, *cmd: str) -> list[str]:
     return [str(BIN / "mpirun"), "-n", str(n), "--oversubscribe", *cmd]
 
 
-def reference(target: Path, drafter: Path) -> list[list[int]]:
+def reference(target: Path, drafter: Path, prompts=PROMPTS, ngram_lookup: int = 0):
+    """The TP=1 greedy results (float64) the TP runs must reproduce."""
     models = load_torch(LoadConfig(target, drafter, dtype="float64"))
-    engine = models.engine(EngineConfig(max_batch_size=2, max_seq_len=256))
-    return [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))]
+    engine = models.engine(EngineConfig(max_batch_size=2, max_seq_len=256, ngram_lookup=ngram_lookup))
+    return engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def ckpts(tmp_path_factory):
     out = {}
     for arch in ("llama", "qwen3", "gpt_oss"):
         target, drafter = save_tiny_checkpoint(root / arch, arch, block_size=4)
-        ref = reference(target, drafter)
+        ref = [r.tokens for r in reference(target, drafter)]
         for moe_tp in ((1, 2) if arch == "gpt_oss" else (1,)):
             tag = f"{arch}-moetp{moe_tp}"
             out[f"{tag}-hf"] = (target, drafter, moe_tp, ref)
@@ -66,7 +67,7 @@ def ckpts(tmp_path_factory):
             out[f"{tag}-presharded"] = (sharded, drafter, moe_tp, ref)
     # the gpt-oss release layout (MXFP4 experts): each rank reads its experts' blocks and dequantizes them
     target, drafter = save_tiny_gpt_oss_release(root / "gpt_oss_mxfp4", block_size=4)
-    ref = reference(target, drafter)
+    ref = [r.tokens for r in reference(target, drafter)]
     for moe_tp in (1, 2):
         out[f"gpt_oss_mxfp4-moetp{moe_tp}-hf"] = (target, drafter, moe_tp, ref)
         sharded = write_tp_shards(target, root / f"gpt_oss_mxfp4-moetp{moe_tp}-tp2", Mapping(2, moe_tp_size=moe_tp))
@@ -122,9 +123,7 @@ def test_tp2_greedy_dflash_equals_tp1(ckpts, tmp_path):
 def check_lookup_case(result: dict, target: Path, drafter: Path) -> None:
     """TP=2 with --ngram-lookup 1: the TP=1 tokens, and one drafter forward (its embedding and head)
     fewer for each step where every row drafted by lookup."""
-    models = load_torch(LoadConfig(target, drafter, dtype="float64"))
-    engine = models.engine(EngineConfig(max_batch_size=2, max_seq_len=256, ngram_lookup=1))
-    ref = engine.generate(LOOKUP_PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    ref = reference(target, drafter, LOOKUP_PROMPTS, ngram_lookup=1)
     assert result["tokens"] == [r.tokens for r in ref]
     assert result["lookup"] == [[st.lookup for st in r.steps] for r in ref]
     flags, steps = result["lookup"], result["steps"]
