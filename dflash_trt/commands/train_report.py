@@ -47,6 +47,8 @@ def row(label: str, rec: dict) -> list[str]:
     best_step, best = res["best"]
     last_step, last_loss, last = res["heldout"][-1]
     init = "drafter " + Path(cfg["drafter_init"]).name if cfg["drafter_init"] else cfg["init"]
+    if cfg.get("grow_layers"):
+        init += f" + {cfg['grow_layers']} grown layer(s)"
     return [label, init, f"{cfg['kd_weight']:g}", str(drafter["num_layers"]), str(drafter["block_size"]),
             str(cfg["train_vocab"] or "all"), str(res["steps"]), f"{res['steps'] * per_step:,}",
             f"{rec['data']['response_tokens']:,}", f"{best:.3f} ({best_step})", f"{last:.3f}", f"{last_loss:.3f}"]

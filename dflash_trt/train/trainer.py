@@ -38,6 +38,7 @@ from dflash_trt.models.transformer import head_dim_of
 from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.runtime.factory import torch_engine
 from dflash_trt.train.features import make_batch
+from dflash_trt.train.grow import grow_drafter, grown_config
 from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma
 from dflash_trt.train.regen import Sample, data_key, regenerate
 from dflash_trt.train.state import load_checkpoint, read_latest, save_checkpoint
@@ -46,7 +47,7 @@ from dflash_trt.train.warm_start import warm_start_from_target
 log = logging.getLogger(__name__)
 
 # settings a resumed run must share with the run that wrote the checkpoint
-RESUME_FIELDS = ("target", "drafter_init", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
+RESUME_FIELDS = ("target", "drafter_init", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
                  "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
                  "init", "kd_weight", "topk", "train_vocab")
 
@@ -58,6 +59,7 @@ class TrainConfig:
     work_dir: Path  # checkpoints/ and (by default) data/
     data_dir: Path | None = None  # regeneration cache (default work_dir/data); may be shared by runs
     drafter_init: Path | None = None  # start from this drafter (its architecture wins)
+    grow_layers: int = 0  # with drafter_init: append this many identity-initialized layers (train/grow.py)
     num_layers: int = 1
     target_layer_ids: tuple[int, ...] | None = None  # None: 3 taps evenly spaced from layer 1 to N-3
     block_size: int = 16
@@ -110,6 +112,10 @@ class TrainConfig:
             raise ConfigError("need 0 <= kd_weight <= 1, topk >= 0 and heldout_every >= 0")
         if self.kd_weight > 0 and self.topk == 0:
             raise ConfigError("kd_weight > 0 distills the target's distribution: set topk (e.g. 16)")
+        if self.grow_layers and self.drafter_init is None:
+            raise ConfigError("grow_layers adds layers to a trained drafter: set drafter_init")
+        if self.grow_layers < 0:
+            raise ConfigError(f"grow_layers must be >= 0, got {self.grow_layers}")
         if self.save_dtype not in DTYPES:
             raise ConfigError(f"save_dtype must be one of {sorted(DTYPES)}, got '{self.save_dtype}'")
 
@@ -195,7 +201,8 @@ class Trainer:
         c, tcfg = self.config, load_hf_config(self.config.target)
         if c.drafter_init is not None:
             log.info("architecture from --drafter-init %s (layer/tap/block flags are not used)", c.drafter_init)
-            return DrafterConfig.load(c.drafter_init)
+            cfg = DrafterConfig.load(c.drafter_init)
+            return grown_config(cfg, c.grow_layers) if c.grow_layers else cfg
         layer_ids = c.target_layer_ids or tuple(default_target_layer_ids(tcfg.num_hidden_layers, 3))
         mask = c.mask_token_id if c.mask_token_id is not None else tcfg.vocab_size - 1
         raw = drafter_config_dict(tcfg, layer_ids, c.num_layers, c.block_size,
@@ -221,6 +228,9 @@ class Trainer:
         c = self.config
         if c.drafter_init is not None:
             drafter = DFlashDrafter.from_pretrained(c.drafter_init, torch.float32).train()
+            if c.grow_layers:
+                drafter = grow_drafter(drafter, c.grow_layers)
+                log.info("grew the drafter to %d layers (new layers start as the identity)", len(drafter.layers))
         else:
             drafter = new_drafter(self.drafter_cfg, c.seed).train()
             if c.init == "target":
@@ -249,7 +259,8 @@ class Trainer:
         weights, extra = load_checkpoint(path)
         saved = extra["config"]
         now = self.config.to_dict()
-        diff = [k for k in RESUME_FIELDS if saved[k] != now[k]]
+        defaults = {f.name: f.default for f in fields(TrainConfig)}  # fields newer than the checkpoint
+        diff = [k for k in RESUME_FIELDS if saved.get(k, defaults[k]) != now[k]]
         if diff:
             raise ConfigError(f"--resume: the checkpoint in {path} was made with different {diff}: "
                               "use the same settings or a fresh --work-dir")
