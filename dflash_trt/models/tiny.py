@@ -133,6 +133,14 @@ CHATML_TEMPLATE = (
 TINY_SPECIALS = ("<pad>", "<s>", "<|im_end|>", "<|im_start|>", "<mask>")  # ids 0..4 (pad, bos, eos, ...)
 
 
+def random_prompts(n: int, seed: int, vocab_size: int, min_len: int = 4, max_len: int = 12) -> list[list[int]]:
+    """`n` prompts of random token ids in [3, vocab_size), each of a length drawn from
+    [min_len, max_len), reproducible from `seed` (for the tiny models' tests)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (int(torch.randint(min_len, max_len, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
 def build_tiny_tokenizer():
     """A byte-level tokenizer (4 specials... then 256 bytes; vocab 261) with a ChatML chat template.
     Any text round-trips; ids: <pad>=0, <s>=1, <|im_end|>=2 (eos), <|im_start|>=3, <mask>=4."""

@@ -17,8 +17,6 @@ The grown checkpoint is an ordinary DFlash drafter with `num_hidden_layers` larg
 """
 from __future__ import annotations
 
-import json
-
 import torch
 
 from dflash_trt.config import DrafterConfig
@@ -32,7 +30,7 @@ def grown_config(cfg: DrafterConfig, extra: int) -> DrafterConfig:
     """`cfg` with `extra` more decoder layers (validated like any config read from disk)."""
     if not 1 <= extra <= MAX_GROW:
         raise ConfigError(f"grow_layers must be in [1, {MAX_GROW}], got {extra}")
-    raw = json.loads(json.dumps(cfg.raw))
+    raw = cfg.to_dict()
     raw["num_hidden_layers"] = cfg.num_hidden_layers + extra
     if "layer_types" in raw and raw["layer_types"] is not None:
         raw["layer_types"] = list(raw["layer_types"]) + [raw["layer_types"][-1]] * extra

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.target import native_from_hf
-from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
+from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, random_prompts
 from dflash_trt.train.features import IGNORE, compute_features, make_batch
 from dflash_trt.train.loss import TrainVocab, block_loss, distill_ce
 from dflash_trt.train.regen import Sample, SampleRef, regenerate
@@ -19,9 +19,7 @@ VOCAB = 48
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, seed, VOCAB, max_len=10)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import yaml
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import load_native_target, native_from_hf
-from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, save_tiny_target
+from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, random_prompts, save_tiny_target
 from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.speculative.decoder import DFlashEngine
 from dflash_trt.train.features import IGNORE, compute_features, make_batch
@@ -25,9 +25,7 @@ VOCAB = 32  # a small vocabulary makes the random target's greedy text learnable
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return random_prompts(n, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")
