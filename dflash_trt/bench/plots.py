@@ -77,6 +77,38 @@ def acceptance_plot(curves: dict[str, list[float]], path: Path, title: str) -> P
     return path
 
 
+def lineage_plot(runs: dict[str, list[tuple[int, int, float]]], data: list[tuple[str, int, float]], path: Path,
+                 title: str) -> Path:
+    """Held-out acceptance length of successive training runs of one drafter: against cumulative
+    optimizer steps, one segment per run (left), and each run's last figure against the response tokens
+    its training data held (right). runs[label] = [(cumulative step, blocks seen, accept length)];
+    data = [(label, response tokens, last accept length)] in run order."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
+    try:
+        for label, points in runs.items():
+            pts = sorted(points)
+            axes[0].plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
+        axes[1].plot([d[1] for d in data], [d[2] for d in data], marker="o", color="0.3")
+        for label, tokens, acc in data:
+            axes[1].annotate(label, (tokens, acc), textcoords="offset points", xytext=(4, -10), fontsize=8)
+        axes[0].set_xlabel("optimizer steps, all runs")
+        axes[1].set_xlabel("response tokens in the run's training data (end of run)")
+        from matplotlib.ticker import EngFormatter
+
+        for ax in axes:
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+            ax.grid(True, alpha=0.3)
+        axes[0].set_ylabel("held-out acceptance length (tau, drafts as-is)")
+        if runs:
+            axes[0].legend(fontsize=8)
+        fig.suptitle(title)
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+    return path
+
+
 def write_plots(report: dict, out_dir: Path) -> list[str]:
     """Write the plots a report supports; returns their file names (relative to out_dir)."""
     names = []

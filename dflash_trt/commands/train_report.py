@@ -4,6 +4,13 @@ Reads each RUN directory's training_config.yaml (written by `dflash-trt train`),
 row per run -- the levers it used (init, distillation weight, layers, block size, vocabulary subset),
 its steps, its data and its best and last held-out block acceptance length -- and, with --plot, draws
 the held-out acceptance length against optimizer steps and against anchored blocks seen.
+
+With --lineage the runs are one drafter's successive continuations (each run after the first trained
+with --drafter-init from the one before, all measured on the same held-out prompts), in order: the
+plot then puts every run on one cumulative optimizer-step axis and shows each run's last held-out
+acceptance against the response tokens its training data held, so compute accumulated across
+sessions reads as one curve. A RUN may also be a training_config*.yaml file itself (a drafter
+directory keeps earlier runs' records as training_config.stepN.yaml).
 """
 from __future__ import annotations
 
@@ -18,18 +25,23 @@ COLUMNS = ("run", "init", "kd", "layers", "block", "train vocab", "steps", "bloc
 
 def register(sub) -> None:
     p = sub.add_parser("train-report", help="ablation table and training curves of `train` runs", description=__doc__)
-    p.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="`dflash-trt train --output` directories")
+    p.add_argument("runs", type=Path, nargs="+", metavar="RUN",
+                   help="`dflash-trt train --output` directories or training_config*.yaml files")
     p.add_argument("--label", action="append", default=[], help="a name per RUN, in order (default: the folder name)")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the training curves here")
+    p.add_argument("--lineage", action="store_true",
+                   help="the runs continue one another in the order given: plot them on cumulative axes")
     p.set_defaults(func=run)
 
 
-def read_run(directory: Path) -> dict:
+def read_run(run: Path) -> dict:
     import yaml
 
-    path = Path(directory) / "training_config.yaml"
+    run = Path(run)
+    path = run if run.suffix in (".yaml", ".yml") else run / "training_config.yaml"
     if not path.is_file():
-        raise InputError(f"{directory} has no training_config.yaml: pass a `dflash-trt train --output` directory")
+        raise InputError(f"{run} has no training_config.yaml: pass a `dflash-trt train --output` directory "
+                         "or a training_config*.yaml file")
     doc = yaml.safe_load(path.read_text())
     try:
         cfg, results = doc["train_config"], doc["results"]
@@ -54,6 +66,29 @@ def row(label: str, rec: dict) -> list[str]:
             f"{rec['data']['response_tokens']:,}", f"{best:.3f} ({best_step})", f"{last:.3f}", f"{last_loss:.3f}"]
 
 
+def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[str, int, float]]]:
+    """Successive runs on cumulative axes: ({label: [(cumulative step, cumulative blocks seen, tau)]},
+    [(label, response tokens of its data, last held-out tau)]). Refuses runs that do not continue one
+    another (no --drafter-init after the first) or were measured on different held-out prompts."""
+    held = [tuple(rec["data"].get("recipe", {}).get("heldout_files") or ()) for rec in records]
+    for label, rec, files in zip(labels[1:], records[1:], held[1:]):
+        if not rec["cfg"].get("drafter_init"):
+            raise InputError(f"--lineage: run '{label}' did not start from a trained drafter (--drafter-init), "
+                             "so it does not continue the run before it")
+        if files != held[0]:
+            raise InputError(f"--lineage: run '{label}' was measured on other held-out prompts ({list(files)}) than "
+                             f"'{labels[0]}' ({list(held[0])}); held-out figures compare on the same prompts only")
+    curves, data = {}, []
+    step0 = blocks0 = 0
+    for label, rec in zip(labels, records):
+        per_step = rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"]
+        curves[label] = [(step0 + st, blocks0 + st * per_step, acc) for st, _, acc in rec["results"]["heldout"]]
+        data.append((label, int(rec["data"]["response_tokens"]), rec["results"]["heldout"][-1][2]))
+        step0 += rec["results"]["steps"]
+        blocks0 += rec["results"]["steps"] * per_step
+    return curves, data
+
+
 def run(args: argparse.Namespace) -> int:
     if args.label and len(args.label) != len(args.runs):
         raise InputError(f"{len(args.label)} --label values for {len(args.runs)} runs: give one per run or none")
@@ -63,6 +98,17 @@ def run(args: argparse.Namespace) -> int:
     print("|" + "---|" * len(COLUMNS))
     for label, rec in zip(labels, records):
         print("| " + " | ".join(row(label, rec)) + " |")
+    if args.lineage:
+        curves, data = lineage(labels, records)
+        total = max(p[0] for p in curves[labels[-1]])
+        print(f"\nlineage: {len(records)} runs, {total:,} optimizer steps; held-out tau "
+              f"{records[0]['results']['heldout'][0][2]:.3f} -> {records[-1]['results']['heldout'][-1][2]:.3f}")
+        if args.plot is not None:
+            from dflash_trt.bench.plots import lineage_plot
+
+            lineage_plot(curves, data, args.plot, "DFlash drafter training, run after run (held-out split)")
+            print(f"\nwrote {args.plot}")
+        return 0
     if args.plot is not None:
         from dflash_trt.bench.plots import training_curves_plot
 

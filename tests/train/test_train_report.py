@@ -1,0 +1,77 @@
+"""`dflash-trt train-report --lineage`: successive runs of the shipped drafter on cumulative axes.
+
+The shipped drafter directory keeps its earlier runs' records (training_config.stepN.yaml), so these
+tests read real lineage records; no model loads.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trt.commands.train_report import lineage, read_run
+from dflash_trt.errors import InputError
+from dflash_trt.commands.common import SHIPPED_DRAFTER as DEFAULT_DRAFTER_DIR
+
+RECORDS = sorted(DEFAULT_DRAFTER_DIR.glob("training_config.step*.yaml"), key=lambda p: int(p.stem.split("step")[1]))
+
+
+def _split_b_runs() -> list[Path]:
+    """The records measured on the same held-out prompts as the shipped run, oldest first."""
+    last = DEFAULT_DRAFTER_DIR / "training_config.yaml"
+    files = read_run(last)["data"]["recipe"]["heldout_files"]
+    return [p for p in RECORDS if read_run(p)["data"]["recipe"]["heldout_files"] == files] + [last]
+
+
+def test_lineage_puts_runs_on_cumulative_axes():
+    runs = _split_b_runs()
+    assert len(runs) >= 2
+    records = [read_run(p) for p in runs]
+    labels = [p.stem for p in runs]
+    curves, data = lineage(labels, records)
+    offset = blocks = 0
+    for label, rec in zip(labels, records):
+        per_step = rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"]
+        held = rec["results"]["heldout"]
+        assert curves[label] == [(offset + st, blocks + st * per_step, acc) for st, _, acc in held]
+        offset += rec["results"]["steps"]
+        blocks += rec["results"]["steps"] * per_step
+    assert [d[0] for d in data] == labels
+    assert [d[1] for d in data] == [rec["data"]["response_tokens"] for rec in records]
+    assert [d[2] for d in data] == [rec["results"]["heldout"][-1][2] for rec in records]
+    # each run starts (step 0 of its own) where the previous one's axis ended
+    for before, after in zip(labels, labels[1:]):
+        assert curves[after][0][0] == curves[before][-1][0]
+
+
+def test_lineage_refuses_runs_that_do_not_continue_each_other(tmp_path):
+    runs = _split_b_runs()
+    first, second = read_run(runs[-2]), read_run(runs[-1])
+    fresh = dict(second, cfg=dict(second["cfg"], drafter_init=None))
+    with pytest.raises(InputError, match="did not start from a trained drafter"):
+        lineage(["a", "b"], [first, fresh])
+    other = dict(second, data=dict(second["data"], recipe={"heldout_files": ["/elsewhere/heldout.jsonl"]}))
+    with pytest.raises(InputError, match="other held-out prompts"):
+        lineage(["a", "b"], [first, other])
+
+
+def test_cli_lineage_plot_and_yaml_runs(tmp_path):
+    runs = _split_b_runs()[-2:]
+    png = tmp_path / "lineage.png"
+    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", *map(str, runs), "--label", "earlier",
+                          "--label", "shipped", "--lineage", "--plot", str(png)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| earlier |") or line.startswith("| shipped |")]
+    assert len(rows) == 2
+    records = [yaml.safe_load(p.read_text()) for p in runs]
+    total = sum(r["results"]["steps"] for r in records)
+    start, end = records[0]["results"]["heldout"][0][2], records[1]["results"]["heldout"][-1][2]
+    assert f"lineage: 2 runs, {total:,} optimizer steps; held-out tau {start:.3f} -> {end:.3f}" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(tmp_path / "none.yaml")],
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "training_config" in missing.stderr and "Traceback" not in missing.stderr
