@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if args.label and len(args.label) != len(args.runs):
         raise InputError(f"{len(args.label)} --label values for {len(args.runs)} runs: give one per run or none")
     labels = args.label or [r.name for r in args.runs]
+    if len(set(labels)) != len(labels):
+        raise InputError(f"run labels must be unique (curves are keyed by them); got {labels}: pass --label per run")
     records = [read_run(r) for r in args.runs]
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print("| " + " | ".join(row(label, rec)) + " |")
     if args.lineage:
         curves, data = lineage(labels, records)
-        total = max(p[0] for p in curves[labels[-1]])
+        total = sum(rec["results"]["steps"] for rec in records)
         print(f"\nlineage: {len(records)} runs, {total:,} optimizer steps; held-out tau "
               f"{records[0]['results']['heldout'][0][2]:.3f} -> {records[-1]['results']['heldout'][-1][2]:.3f}")
         if args.plot is not None:

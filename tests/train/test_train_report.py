@@ -75,3 +75,6 @@ def test_cli_lineage_plot_and_yaml_runs(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(tmp_path / "none.yaml")],
                              capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "training_config" in missing.stderr and "Traceback" not in missing.stderr
+    twice = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(runs[0]), str(runs[0])],
+                           capture_output=True, text=True, timeout=300)
+    assert twice.returncode == 2 and "labels must be unique" in twice.stderr and "Traceback" not in twice.stderr
