@@ -77,27 +77,22 @@ def acceptance_plot(curves: dict[str, list[float]], path: Path, title: str) -> P
     return path
 
 
-def lineage_plot(runs: dict[str, list[tuple[int, int, float]]], data: list[tuple[str, int, float]], path: Path,
-                 title: str) -> Path:
-    """Held-out acceptance length of successive training runs of one drafter: against cumulative
-    optimizer steps, one segment per run (left), and each run's last figure against the response tokens
-    its training data held (right). runs[label] = [(cumulative step, blocks seen, accept length)];
-    data = [(label, response tokens, last accept length)] in run order."""
+def _held_out_panels(runs: dict[str, list[tuple[int, int, float]]], xlabels: tuple[str, str], path: Path, title: str,
+                     draw) -> Path:
+    """The two-panel held-out acceptance figure both training plots share: each run's points
+    (x = p[0], y = p[2]) on the left, `draw(axes)` for the rest, large counts on the right axis as 250k / 1M."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
     try:
         for label, points in runs.items():
             pts = sorted(points)
             axes[0].plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
-        axes[1].plot([d[1] for d in data], [d[2] for d in data], marker="o", color="0.3")
-        for label, tokens, acc in data:
-            axes[1].annotate(label, (tokens, acc), textcoords="offset points", xytext=(4, -10), fontsize=8)
-        axes[0].set_xlabel("optimizer steps, all runs")
-        axes[1].set_xlabel("response tokens in the run's training data (end of run)")
+        draw(axes)
         from matplotlib.ticker import EngFormatter
 
-        for ax in axes:
-            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        axes[1].xaxis.set_major_formatter(EngFormatter(sep=""))  # 250k, 1M: no overlapping 7-digit labels
+        for ax, xlabel in zip(axes, xlabels):
+            ax.set_xlabel(xlabel)
             ax.grid(True, alpha=0.3)
         axes[0].set_ylabel("held-out acceptance length (tau, drafts as-is)")
         if runs:
@@ -107,6 +102,24 @@ def lineage_plot(runs: dict[str, list[tuple[int, int, float]]], data: list[tuple
     finally:
         plt.close(fig)
     return path
+
+
+def lineage_plot(runs: dict[str, list[tuple[int, int, float]]], data: list[tuple[str, int, float]], path: Path,
+                 title: str) -> Path:
+    """Held-out acceptance length of successive training runs of one drafter: against cumulative
+    optimizer steps, one segment per run (left), and each run's last figure against the response tokens
+    its training data held (right). runs[label] = [(cumulative step, blocks seen, accept length)];
+    data = [(label, response tokens, last accept length)] in run order."""
+    def draw(axes):
+        from matplotlib.ticker import EngFormatter
+
+        axes[0].xaxis.set_major_formatter(EngFormatter(sep=""))
+        axes[1].plot([d[1] for d in data], [d[2] for d in data], marker="o", color="0.3")
+        for label, tokens, acc in data:
+            axes[1].annotate(label, (tokens, acc), textcoords="offset points", xytext=(4, -10), fontsize=8)
+
+    return _held_out_panels(runs, ("optimizer steps, all runs", "response tokens in the run's training data (end of run)"),
+                            path, title, draw)
 
 
 def write_plots(report: dict, out_dir: Path) -> list[str]:
@@ -128,25 +141,10 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
 def training_curves_plot(runs: dict[str, list[tuple[int, int, float]]], path: Path, title: str) -> Path:
     """Held-out block acceptance length of drafter training runs: against optimizer steps (left) and
     against anchored blocks seen (right). runs[label] = [(step, blocks seen, accept length)]."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.4), sharey=True)
-    try:
+    def draw(axes):
         for label, points in runs.items():
             pts = sorted(points)
-            axes[0].plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
             axes[1].plot([p[1] for p in pts], [p[2] for p in pts], marker=".", label=label)
-        axes[0].set_xlabel("optimizer steps")
-        axes[1].set_xlabel("anchored blocks seen (steps x sequences x anchors)")
-        from matplotlib.ticker import EngFormatter
 
-        axes[1].xaxis.set_major_formatter(EngFormatter(sep=""))  # 250k, 1M: no overlapping 7-digit labels
-        axes[0].set_ylabel("held-out acceptance length (tau, drafts as-is)")
-        for ax in axes:
-            ax.grid(True, alpha=0.3)
-        if runs:
-            axes[0].legend(fontsize=8)
-        fig.suptitle(title)
-        _save(fig, path)
-    finally:
-        plt.close(fig)
-    return path
+    return _held_out_panels(runs, ("optimizer steps", "anchored blocks seen (steps x sequences x anchors)"), path, title,
+                            draw)

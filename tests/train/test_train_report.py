@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_trt.commands.common import SHIPPED_DRAFTER
 from dflash_trt.commands.train_report import lineage, read_run
 from dflash_trt.errors import InputError
-from dflash_trt.commands.common import SHIPPED_DRAFTER as DEFAULT_DRAFTER_DIR
 
-RECORDS = sorted(DEFAULT_DRAFTER_DIR.glob("training_config.step*.yaml"), key=lambda p: int(p.stem.split("step")[1]))
+RECORDS = sorted(SHIPPED_DRAFTER.glob("training_config.step*.yaml"), key=lambda p: int(p.stem.split("step")[1]))
 
 
 def _split_b_runs() -> list[Path]:
     """The records measured on the same held-out prompts as the shipped run, oldest first."""
-    last = DEFAULT_DRAFTER_DIR / "training_config.yaml"
+    last = SHIPPED_DRAFTER / "training_config.yaml"
     files = read_run(last)["data"]["recipe"]["heldout_files"]
     return [p for p in RECORDS if read_run(p)["data"]["recipe"]["heldout_files"] == files] + [last]
 
