@@ -84,6 +84,8 @@ def command_line(args: argparse.Namespace) -> str:
                 parts += [flag, str(v)]
         elif action.dest == "concurrency":
             parts += [flag, ",".join(map(str, value))]
+        elif action.dest == "draft_len_schedule":  # parsed to ((B, K), ...); written back as typed
+            parts += [flag, ",".join(f"{b}:{k}" for b, k in value)]
         else:
             parts += [flag, str(value)]
     return shlex.join(parts)

@@ -130,6 +130,24 @@ def test_full_run_report_is_consistent(tiny, tmp_path, capsys):
     assert report["config"]["command"].startswith("dflash-trt bench --dataset")
 
 
+def test_report_command_reruns_as_written():
+    """The report's command is one a user can paste: flags parsed to other types (the concurrency
+    list, the draft-length schedule) are written back in the form the parser reads."""
+    import shlex
+
+    from dflash_trt.cli import build_parser
+    from dflash_trt.commands.bench import command_line
+
+    argv = ["bench", "--dataset", "mtbench", "--limit", "4", "--modes", "dflash,dflash-full,ar",
+            "--concurrency", "1,4,8", "--draft-len-schedule", "1:7,4:3,8:0", "--output", "out"]
+    args = build_parser().parse_args(argv)
+    line = command_line(args)
+    assert "--draft-len-schedule 1:7,4:3,8:0" in line and "--concurrency 1,4,8" in line
+    again = build_parser().parse_args(shlex.split(line)[1:])
+    for key in ("dataset", "limit", "modes", "concurrency", "draft_len_schedule", "output"):
+        assert getattr(again, key) == getattr(args, key), key
+
+
 class _BrokenMode(bench_modes.EngineMode):
     """Autoregressive decoding whose fourth token is altered: a 'speedup' over a different output."""
 
