@@ -18,7 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dflash_trt.bench.runner import DEFAULT_SWEEP
-from dflash_trt.commands.common import add_backend_flag, add_model_flags, check_model_flags, load
+from dflash_trt.commands.common import (add_backend_flag, add_model_flags, check_model_flags, format_draft_len_schedule,
+                                       load)
 from dflash_trt.errors import InputError
 
 
@@ -84,8 +85,8 @@ def command_line(args: argparse.Namespace) -> str:
                 parts += [flag, str(v)]
         elif action.dest == "concurrency":
             parts += [flag, ",".join(map(str, value))]
-        elif action.dest == "draft_len_schedule":  # parsed to ((B, K), ...); written back as typed
-            parts += [flag, ",".join(f"{b}:{k}" for b, k in value)]
+        elif action.dest == "draft_len_schedule":
+            parts += [flag, format_draft_len_schedule(value)]
         else:
             parts += [flag, str(value)]
     return shlex.join(parts)

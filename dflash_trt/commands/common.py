@@ -67,6 +67,11 @@ def parse_draft_len_schedule(text: str) -> tuple[tuple[int, int], ...]:
     return pairs
 
 
+def format_draft_len_schedule(pairs: tuple[tuple[int, int], ...]) -> str:
+    """((1, 7), (4, 3), (8, 0)) -> '1:7,4:3,8:0': the inverse of parse_draft_len_schedule."""
+    return ",".join(f"{batch}:{drafts}" for batch, drafts in pairs)
+
+
 def cache_dir(args: argparse.Namespace) -> Path:
     if args.cache_dir is not None:
         return args.cache_dir
