@@ -28,6 +28,10 @@ def register(sub) -> None:
     p.add_argument("--work-dir", type=Path, default=None, help="checkpoints and data cache (default: OUTPUT.work)")
     p.add_argument("--data-dir", type=Path, default=None, help="regenerated-data cache (default: WORK_DIR/data)")
     p.add_argument("--drafter-init", type=Path, default=None, help="start from this drafter (its architecture wins)")
+    p.add_argument("--continue-from", type=Path, default=None, metavar="CHECKPOINT",
+                   help="start a new run from another run's checkpoint (its --work-dir or one checkpoints/step-* "
+                        "directory): its float32 weights and AdamW moments carry over; steps, learning-rate "
+                        "schedule and data are this run's; the architecture is the checkpoint's")
     p.add_argument("--grow-layers", type=int, default=0,
                    help="with --drafter-init: append N decoder layers that start as the identity, so the grown "
                         "drafter first drafts exactly as the given one (train/grow.py)")
@@ -150,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     work = args.work_dir or args.output.with_name(args.output.name + ".work")
     config = TrainConfig(
         target=Path(target_dir), output=args.output, work_dir=work, data_dir=args.data_dir,
-        drafter_init=args.drafter_init, grow_layers=args.grow_layers, num_layers=args.layers, target_layer_ids=parse_target_layer_ids(args.target_layer_ids),
+        drafter_init=args.drafter_init, continue_from=args.continue_from, grow_layers=args.grow_layers, num_layers=args.layers, target_layer_ids=parse_target_layer_ids(args.target_layer_ids),
         block_size=args.block_size, intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
         steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, batch_size=args.batch_size, anchors_per_seq=args.anchors,

@@ -6,7 +6,7 @@ its steps, its data and its best and last held-out block acceptance length -- an
 the held-out acceptance length against optimizer steps and against anchored blocks seen.
 
 With --lineage the runs are one drafter's successive continuations (each run after the first trained
-with --drafter-init from the one before, all measured on the same held-out prompts), in order: the
+with --drafter-init or --continue-from from the one before, all measured on the same held-out prompts), in order: the
 plot then puts every run on one cumulative optimizer-step axis and shows each run's last held-out
 acceptance against the response tokens its training data held, so compute accumulated across
 sessions reads as one curve. A RUN may also be a training_config*.yaml file itself (a drafter
@@ -58,7 +58,8 @@ def row(label: str, rec: dict) -> list[str]:
     per_step = cfg["batch_size"] * cfg["anchors_per_seq"]
     best_step, best = res["best"]
     last_step, last_loss, last = res["heldout"][-1]
-    init = "drafter " + Path(cfg["drafter_init"]).name if cfg["drafter_init"] else cfg["init"]
+    init = ("drafter " + Path(cfg["drafter_init"]).name if cfg["drafter_init"]
+            else "checkpoint " + Path(cfg["continue_from"]).name if cfg.get("continue_from") else cfg["init"])
     if cfg.get("grow_layers"):
         init += f" + {cfg['grow_layers']} grown layer(s)"
     return [label, init, f"{cfg['kd_weight']:g}", str(drafter["num_layers"]), str(drafter["block_size"]),
@@ -72,8 +73,9 @@ def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[st
     another (no --drafter-init after the first) or were measured on different held-out prompts."""
     held = [tuple(rec["data"].get("recipe", {}).get("heldout_files") or ()) for rec in records]
     for label, rec, files in zip(labels[1:], records[1:], held[1:]):
-        if not rec["cfg"].get("drafter_init"):
-            raise InputError(f"--lineage: run '{label}' did not start from a trained drafter (--drafter-init), "
+        if not (rec["cfg"].get("drafter_init") or rec["cfg"].get("continue_from")):
+            raise InputError(f"--lineage: run '{label}' did not start from a trained drafter (--drafter-init or "
+                             "--continue-from), "
                              "so it does not continue the run before it")
         if files != held[0]:
             raise InputError(f"--lineage: run '{label}' was measured on other held-out prompts ({list(files)}) than "

@@ -13,12 +13,16 @@ The run, as numbered in `Trainer.run`:
      engine, greedy, on held-out prompts); checkpoints every `save_every` steps, written
      atomically (a new step directory, then the `latest.json` pointer), with model, optimizer,
      scheduler, step, RNG states and the data recipe; `resume` continues from the latest one;
+     `continue_from` starts a NEW run (new data, steps, schedule) from another run's checkpoint,
+     carrying its float32 weights and AdamW moments (`drafter_init` starts from a shipped drafter
+     with fresh moments);
      Ctrl-C saves when the state is consistent and never damages the last good checkpoint;
   5. output: the standard DFlash drafter directory (DFlashDrafter.save_pretrained) plus
      training_config.yaml.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -41,13 +45,13 @@ from dflash_trt.train.features import make_batch
 from dflash_trt.train.grow import grow_drafter, grown_config
 from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma
 from dflash_trt.train.regen import Sample, data_key, regenerate
-from dflash_trt.train.state import load_checkpoint, read_latest, save_checkpoint
+from dflash_trt.train.state import carry_adam_moments, load_checkpoint, load_continuation, read_latest, save_checkpoint
 from dflash_trt.train.warm_start import warm_start_from_target
 
 log = logging.getLogger(__name__)
 
 # settings a resumed run must share with the run that wrote the checkpoint
-RESUME_FIELDS = ("target", "drafter_init", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
+RESUME_FIELDS = ("target", "drafter_init", "continue_from", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
                  "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
                  "init", "kd_weight", "topk", "train_vocab")
 
@@ -60,6 +64,9 @@ class TrainConfig:
     data_dir: Path | None = None  # regeneration cache (default work_dir/data); may be shared by runs
     drafter_init: Path | None = None  # start from this drafter (its architecture wins)
     grow_layers: int = 0  # with drafter_init: append this many identity-initialized layers (train/grow.py)
+    # a previous run's checkpoint (its work dir or a step dir): its float32 weights and AdamW moments carry
+    # over; the step count, schedule and data are this run's (architecture from the checkpoint)
+    continue_from: Path | None = None
     num_layers: int = 1
     target_layer_ids: tuple[int, ...] | None = None  # None: 3 taps evenly spaced from layer 1 to N-3
     block_size: int = 16
@@ -112,6 +119,11 @@ class TrainConfig:
             raise ConfigError("need 0 <= kd_weight <= 1, topk >= 0 and heldout_every >= 0")
         if self.kd_weight > 0 and self.topk == 0:
             raise ConfigError("kd_weight > 0 distills the target's distribution: set topk (e.g. 16)")
+        if self.continue_from is not None and self.drafter_init is not None:
+            raise ConfigError("continue_from and drafter_init both choose the starting drafter: give one")
+        if self.grow_layers and self.continue_from is not None:
+            raise ConfigError("grow_layers adds layers the checkpoint has no optimizer state for: "
+                              "grow with drafter_init (fresh moments) instead of continue_from")
         if self.grow_layers and self.drafter_init is None:
             raise ConfigError("grow_layers adds layers to a trained drafter: set drafter_init")
         if self.grow_layers < 0:
@@ -191,6 +203,8 @@ class Trainer:
         self.ckpt_root = config.work_dir / "checkpoints"
         self.target = load_native_target(config.target, torch.float32)
         self.target.requires_grad_(False)
+        # continue_from: the checkpoint is read and checked now, before any slow data work
+        self.carried = load_continuation(config.continue_from) if config.continue_from is not None else None
         self.drafter_cfg = self._drafter_config()
         check_drafter_matches_target(self.drafter_cfg, self.target.info)
         self.state = TrainState()
@@ -199,6 +213,9 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _drafter_config(self) -> DrafterConfig:
         c, tcfg = self.config, load_hf_config(self.config.target)
+        if self.carried is not None:
+            log.info("architecture from --continue-from %s (layer/tap/block flags are not used)", self.carried.path)
+            return self.carried.drafter.cfg
         if c.drafter_init is not None:
             log.info("architecture from --drafter-init %s (layer/tap/block flags are not used)", c.drafter_init)
             cfg = DrafterConfig.load(c.drafter_init)
@@ -226,7 +243,9 @@ class Trainer:
 
     def _build(self):
         c = self.config
-        if c.drafter_init is not None:
+        if self.carried is not None:
+            drafter = copy.deepcopy(self.carried.drafter).train()
+        elif c.drafter_init is not None:
             drafter = DFlashDrafter.from_pretrained(c.drafter_init, torch.float32).train()
             if c.grow_layers:
                 drafter = grow_drafter(drafter, c.grow_layers)
@@ -239,6 +258,8 @@ class Trainer:
         opt = torch.optim.AdamW(drafter.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
         warmup = max(1, round(c.warmup_ratio * c.steps))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, c.steps, warmup))
+        if self.carried is not None:
+            carry_adam_moments(opt, self.carried)
         gen = torch.Generator().manual_seed(c.seed)
         return drafter, opt, sched, gen
 
@@ -404,6 +425,8 @@ class Trainer:
         tokens = sum(s.tokens.shape[0] for s in self.samples)
         doc = {
             "train_config": c.to_dict(),
+            **({"continued_from": {"checkpoint": str(self.carried.path), "step": self.carried.step}}
+               if self.carried is not None else {}),
             "drafter": {"num_layers": self.drafter_cfg.num_hidden_layers, "block_size": self.drafter_cfg.block_size,
                         "target_layer_ids": list(self.drafter_cfg.target_layer_ids),
                         "mask_token_id": self.drafter_cfg.mask_token_id,

@@ -50,9 +50,12 @@ def test_lineage_puts_runs_on_cumulative_axes():
 def test_lineage_refuses_runs_that_do_not_continue_each_other(tmp_path):
     runs = _split_b_runs()
     first, second = read_run(runs[-2]), read_run(runs[-1])
-    fresh = dict(second, cfg=dict(second["cfg"], drafter_init=None))
+    fresh = dict(second, cfg=dict(second["cfg"], drafter_init=None, continue_from=None))
     with pytest.raises(InputError, match="did not start from a trained drafter"):
         lineage(["a", "b"], [first, fresh])
+    # a run that continued from the other run's checkpoint (weights and AdamW moments) continues it too
+    carried = dict(second, cfg=dict(second["cfg"], drafter_init=None, continue_from="/runs/a.work"))
+    assert list(lineage(["a", "b"], [first, carried])[0]) == ["a", "b"]
     other = dict(second, data=dict(second["data"], recipe={"heldout_files": ["/elsewhere/heldout.jsonl"]}))
     with pytest.raises(InputError, match="other held-out prompts"):
         lineage(["a", "b"], [first, other])

@@ -211,3 +211,53 @@ def test_cli_training_prompts_exclude_the_eval_sets():
         assert ngrams(text, prompt_set.recipe.ngram_n).isdisjoint(banned)
         assert function_names(text).isdisjoint(names)
     assert not any(p.text in t for p in evals for t in texts)
+
+
+def test_continue_from_carries_weights_and_adam_moments_into_a_new_schedule(target_dir, tmp_path):
+    """--continue-from: a new run starts from another run's checkpoint with its float32 weights AND its
+    AdamW moments (a --drafter-init start has zero moments), under the new run's own steps and schedule."""
+    from dflash_trt.train.loss import cosine_schedule
+
+    prompts = _prompts(24, seed=5)
+    kw = dict(batch_size=4, anchors_per_seq=4, max_new_tokens=16)
+    first = Trainer(_config(target_dir, tmp_path / "a", steps=6, save_every=3, **kw), prompts, [])
+    trained = first.run()
+    saved = torch.load(tmp_path / "a" / "work" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=True)
+
+    cfg = _config(target_dir, tmp_path / "b", steps=5, lr=1e-3, continue_from=tmp_path / "a" / "work", **kw)
+    second = Trainer(cfg, prompts, [])
+    assert second.carried.step == 6 and second.carried.path.name == "step-0000006"
+    drafter, opt, sched, _ = second._build()
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], tensor)
+    moments = opt.state_dict()["state"]
+    assert set(moments) == set(saved["optimizer"]["state"]) and moments
+    for i, st in saved["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(moments[i][key], st[key])
+    # the new run's learning rate and schedule, not the old run's (which had decayed to its end)
+    warmup = max(1, round(cfg.warmup_ratio * cfg.steps))
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * cosine_schedule(0, 5, warmup))
+    second.run()
+    assert second.state.step == 5 and [s for s, _ in second.state.losses] == [1, 2, 3, 4, 5]
+    doc = yaml.safe_load((cfg.output / "training_config.yaml").read_text())
+    assert doc["continued_from"] == {"checkpoint": str(second.carried.path), "step": 6}
+    assert doc["train_config"]["continue_from"] == str(tmp_path / "a" / "work")
+
+    # the same start through --drafter-init restarts AdamW from zero: the first update differs
+    fresh = Trainer(_config(target_dir, tmp_path / "c", steps=5, lr=1e-3, drafter_init=cfg.output, **kw), prompts, [])
+    _, fresh_opt, _, _ = fresh._build()
+    assert fresh_opt.state_dict()["state"] == {}
+
+
+def test_continue_from_refuses_bad_starts_before_any_data_work(target_dir, tmp_path):
+    with pytest.raises(ConfigError, match="give one"):
+        _config(target_dir, tmp_path, continue_from=tmp_path / "x", drafter_init=tmp_path / "y")
+    with pytest.raises(ConfigError, match="no optimizer state"):
+        _config(target_dir, tmp_path, continue_from=tmp_path / "x", grow_layers=1)
+    from dflash_trt.errors import CheckpointError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no training checkpoint"):
+        Trainer(_config(target_dir, tmp_path / "r", continue_from=tmp_path / "empty"), _prompts(4, seed=6), [])
+    assert not (tmp_path / "data").exists()  # nothing regenerated
