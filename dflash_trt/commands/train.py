@@ -47,6 +47,12 @@ def register(sub) -> None:
     o.add_argument("--steps", type=int, default=1000)
     o.add_argument("--lr", type=float, default=6e-4)
     o.add_argument("--warmup-ratio", type=float, default=0.04)
+    o.add_argument("--lr-schedule", choices=("cosine", "wsd"), default="cosine",
+                   help="cosine decay to 0, or wsd: constant after the warmup, then a (1 - sqrt) cooldown over the "
+                        "last --decay-ratio of the steps; wsd keeps the last full-LR state in WORK_DIR/stable, "
+                        "which a later run continues with --continue-from WORK_DIR/stable --warmup-ratio 0 "
+                        "(no re-warming)")
+    o.add_argument("--decay-ratio", type=float, default=0.2, help="wsd: share of the steps in the cooldown")
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 @16, 5 @10, 4 @8)")
@@ -156,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         target=Path(target_dir), output=args.output, work_dir=work, data_dir=args.data_dir,
         drafter_init=args.drafter_init, continue_from=args.continue_from, grow_layers=args.grow_layers, num_layers=args.layers, target_layer_ids=parse_target_layer_ids(args.target_layer_ids),
         block_size=args.block_size, intermediate_size=args.intermediate_size, mask_token_id=args.mask_token_id,
-        steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio, weight_decay=args.weight_decay,
+        steps=args.steps, lr=args.lr, warmup_ratio=args.warmup_ratio,
+        lr_schedule=args.lr_schedule, decay_ratio=args.decay_ratio, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, gamma=args.gamma, batch_size=args.batch_size, anchors_per_seq=args.anchors,
         max_new_tokens=args.max_new_tokens, regen_batch_size=args.regen_batch_size, max_seq_len=args.max_seq_len,
         eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,

@@ -188,3 +188,16 @@ def cosine_schedule(step: int, total: int, warmup: int) -> float:
         return (step + 1) / warmup
     progress = (step - warmup) / max(total - warmup, 1)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def wsd_schedule(step: int, total: int, warmup: int, decay: int) -> float:
+    """LR multiplier, warmup-stable-decay: linear warmup over `warmup` steps, then constant, then a
+    (1 - sqrt) cooldown over the last `decay` steps to 0 at `total` (Hägele et al., "Scaling Laws and
+    Compute-Optimal Training Beyond Fixed Training Durations", arXiv 2405.18392: constant LR plus a
+    cooldown matches cosine, and training can go on from any point of the constant phase)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    start = total - decay
+    if step <= start:
+        return 1.0
+    return 1.0 - math.sqrt(min((step - start) / max(decay, 1), 1.0))

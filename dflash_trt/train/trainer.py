@@ -6,7 +6,9 @@ The run, as numbered in `Trainer.run`:
   2. drafter: fresh (Qwen3-style layers at the target's width) or `drafter_init`; the target,
      its embedding and lm_head stay frozen and are not part of the drafter checkpoint;
   3. steps: random anchors in the responses -> block-sparse forward -> position-weighted CE
-     (features.py, loss.py); AdamW, cosine LR with warmup, grad-norm clip; with `bf16`, the
+     (features.py, loss.py); AdamW, cosine LR with warmup (or warmup-stable-decay, `lr_schedule`
+     "wsd", which also keeps the last full-LR state as `work_dir/stable` for a later run to
+     `continue_from` without re-warming), grad-norm clip; with `bf16`, the
      forward and backward run under bf16 autocast (mixed precision: fp32 master weights and
      optimizer state; held-out metrics and eval stay fp32);
   4. a progress bar with loss, the in-batch acceptance length and a periodic eval tau (the real
@@ -43,7 +45,7 @@ from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.runtime.factory import torch_engine
 from dflash_trt.train.features import make_batch
 from dflash_trt.train.grow import grow_drafter, grown_config
-from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma
+from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma, wsd_schedule
 from dflash_trt.train.regen import Sample, data_key, regenerate
 from dflash_trt.train.state import carry_adam_moments, load_checkpoint, load_continuation, read_latest, save_checkpoint
 from dflash_trt.train.warm_start import warm_start_from_target
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # settings a resumed run must share with the run that wrote the checkpoint
 RESUME_FIELDS = ("target", "drafter_init", "continue_from", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
-                 "mask_token_id", "steps", "lr", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
+                 "mask_token_id", "steps", "lr", "lr_schedule", "decay_ratio", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
                  "init", "kd_weight", "topk", "train_vocab")
 
 
@@ -75,6 +77,8 @@ class TrainConfig:
     steps: int = 1000
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    lr_schedule: str = "cosine"  # "cosine" | "wsd" (warmup, constant, (1 - sqrt) cooldown: loss.wsd_schedule)
+    decay_ratio: float = 0.2  # wsd: share of the steps in the final cooldown
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma: float | None = None  # None: the paper's value for the block size
@@ -111,6 +115,11 @@ class TrainConfig:
             raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
         if not self.lr > 0 or not 0 <= self.warmup_ratio < 1 or self.grad_clip <= 0 or self.weight_decay < 0:
             raise ConfigError("need lr > 0, 0 <= warmup_ratio < 1, grad_clip > 0 and weight_decay >= 0")
+        if self.lr_schedule not in ("cosine", "wsd"):
+            raise ConfigError(f"lr_schedule must be 'cosine' or 'wsd', got '{self.lr_schedule}'")
+        if self.lr_schedule == "wsd" and not (0 < self.decay_ratio <= 1 and self.warmup_ratio + self.decay_ratio <= 1):
+            raise ConfigError(f"wsd needs 0 < decay_ratio <= 1 and warmup_ratio + decay_ratio <= 1, got "
+                              f"{self.decay_ratio} and {self.warmup_ratio}")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.init not in ("random", "target"):
@@ -130,6 +139,13 @@ class TrainConfig:
             raise ConfigError(f"grow_layers must be >= 0, got {self.grow_layers}")
         if self.save_dtype not in DTYPES:
             raise ConfigError(f"save_dtype must be one of {sorted(DTYPES)}, got '{self.save_dtype}'")
+
+    @property
+    def stable_step(self) -> int | None:
+        """wsd: the last step at the full learning rate (its state is kept in work_dir/stable)."""
+        if self.lr_schedule != "wsd":
+            return None
+        return self.steps - max(1, round(self.decay_ratio * self.steps))
 
     @property
     def data_root(self) -> Path:
@@ -257,7 +273,11 @@ class Trainer:
                 log.info("drafter layers initialized from target layers %s", used)
         opt = torch.optim.AdamW(drafter.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay)
         warmup = max(1, round(c.warmup_ratio * c.steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, c.steps, warmup))
+        if c.stable_step is None:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, c.steps, warmup))
+        else:
+            decay = c.steps - c.stable_step
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: wsd_schedule(s, c.steps, warmup, decay))
         if self.carried is not None:
             carry_adam_moments(opt, self.carried)
         gen = torch.Generator().manual_seed(c.seed)
@@ -267,11 +287,16 @@ class Trainer:
     def latest_checkpoint(self) -> Path | None:
         return read_latest(self.ckpt_root)
 
-    def save_checkpoint(self, drafter, opt, sched, gen) -> Path:
-        return save_checkpoint(self.ckpt_root, self.state.step, drafter, {
+    @property
+    def stable_root(self) -> Path:
+        return self.config.work_dir / "stable"
+
+    def save_checkpoint(self, drafter, opt, sched, gen, stable: bool = False) -> Path:
+        root, keep = (self.stable_root, 1) if stable else (self.ckpt_root, self.config.keep_checkpoints)
+        return save_checkpoint(root, self.state.step, drafter, {
             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "generator": gen.get_state(),
             "torch_rng": torch.get_rng_state(), "state": asdict(self.state), "config": self.config.to_dict(),
-            "data_recipe": self.data_recipe}, self.config.keep_checkpoints)
+            "data_recipe": self.data_recipe}, keep)
 
     def _restore(self, drafter, opt, sched, gen) -> None:
         path = self.latest_checkpoint()
@@ -345,7 +370,8 @@ class Trainer:
                 step = self.state.step
                 if c.eval_every and self.eval_prompts and (step % c.eval_every == 0 or step == c.steps):
                     eval_tau = self._eval(drafter)
-                if c.heldout_every and self.heldout and (step % c.heldout_every == 0 or step == c.steps):
+                if self.heldout and (c.heldout_every and (step % c.heldout_every == 0 or step == c.steps)
+                                     or step == c.stable_step):
                     self._heldout_eval(drafter, gamma)
                 post = {"loss": f"{float(out.loss.detach()):.3f}", "acc_len": f"{out.accept_len:.2f}",
                         "lr": f"{sched.get_last_lr()[0]:.1e}"}
@@ -357,6 +383,10 @@ class Trainer:
                     self.state.wall_s += time.perf_counter() - start
                     start = time.perf_counter()
                     self.save_checkpoint(drafter, opt, sched, gen)
+                if step == c.stable_step:
+                    path = self.save_checkpoint(drafter, opt, sched, gen, stable=True)
+                    log.info("step %d, the last at the full learning rate: kept in %s (a later run can "
+                             "--continue-from it without re-warming)", step, path)
                 if on_step is not None:
                     on_step(step, float(out.loss.detach()))
         except KeyboardInterrupt:
@@ -436,6 +466,8 @@ class Trainer:
             "results": {"steps": self.state.step, "wall_s": round(self.state.wall_s, 1),
                         "heldout": [[st, round(lo, 4), round(ac, 4)] for st, lo, ac in self.state.heldout],
                         "best": list(self.state.best) if self.state.best else None,
+                        **({"stable_checkpoint": {"dir": str(self.stable_root), "step": c.stable_step}}
+                           if c.stable_step is not None and self.state.step >= c.stable_step else {}),
                         "final_loss": self.state.losses[-1][1] if self.state.losses else None,
                         "eval_tau": [[s, round(t, 3)] for s, t in self.state.evals]},
         }

@@ -244,7 +244,7 @@ def test_continue_from_carries_weights_and_adam_moments_into_a_new_schedule(targ
     assert doc["continued_from"] == {"checkpoint": str(second.carried.path), "step": 6}
     assert doc["train_config"]["continue_from"] == str(tmp_path / "a" / "work")
 
-    # the same start through --drafter-init restarts AdamW from zero: the first update differs
+    # the same start through --drafter-init restarts AdamW from zero moments
     fresh = Trainer(_config(target_dir, tmp_path / "c", steps=5, lr=1e-3, drafter_init=cfg.output, **kw), prompts, [])
     _, fresh_opt, _, _ = fresh._build()
     assert fresh_opt.state_dict()["state"] == {}
@@ -261,3 +261,52 @@ def test_continue_from_refuses_bad_starts_before_any_data_work(target_dir, tmp_p
     with pytest.raises(CheckpointError, match="holds no training checkpoint"):
         Trainer(_config(target_dir, tmp_path / "r", continue_from=tmp_path / "empty"), _prompts(4, seed=6), [])
     assert not (tmp_path / "data").exists()  # nothing regenerated
+
+
+def test_wsd_schedule_warms_up_holds_then_cools_down_to_zero():
+    from dflash_trt.train.loss import wsd_schedule
+
+    total, warmup, decay = 100, 10, 20
+    lrs = [wsd_schedule(s, total, warmup, decay) for s in range(total + 1)]
+    assert lrs[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
+    assert lrs[warmup:81] == [1.0] * 71  # constant through the last step before the cooldown
+    assert lrs[90] == pytest.approx(1 - 0.5 ** 0.5) and lrs[100] == 0.0
+    assert all(a > b for a, b in zip(lrs[81:], lrs[82:]))  # strictly decreasing in the cooldown
+
+
+def test_schedule_settings_are_checked(target_dir, tmp_path):
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        _config(target_dir, tmp_path, lr_schedule="linear")
+    with pytest.raises(ConfigError, match="decay_ratio"):
+        _config(target_dir, tmp_path, lr_schedule="wsd", decay_ratio=0.0)
+    with pytest.raises(ConfigError, match="decay_ratio"):
+        _config(target_dir, tmp_path, lr_schedule="wsd", decay_ratio=0.97, warmup_ratio=0.04)
+    assert _config(target_dir, tmp_path).stable_step is None  # cosine keeps no stable state
+
+
+def test_wsd_keeps_the_last_full_lr_state_and_a_later_run_continues_it_without_rewarming(target_dir, tmp_path):
+    prompts = _prompts(28, seed=7)
+    kw = dict(batch_size=4, anchors_per_seq=4, max_new_tokens=16, lr_schedule="wsd", heldout_every=0)
+    cfg = _config(target_dir, tmp_path / "a", steps=6, decay_ratio=0.5, warmup_ratio=0.2, save_every=4, **kw)
+    assert cfg.stable_step == 3
+    first = Trainer(cfg, prompts[:24], [], heldout_prompts=prompts[24:])
+    trained = first.run()
+    stable = read_latest(tmp_path / "a" / "work" / "stable")
+    assert stable is not None and stable.name == "step-0000003"
+    from dflash_trt.train.state import load_checkpoint
+
+    weights, extra = load_checkpoint(stable)
+    assert extra["state"]["step"] == 3
+    assert [h[0] for h in extra["state"]["heldout"]] == [3]  # measured where it was kept (heldout_every is off)
+    doc = yaml.safe_load((cfg.output / "training_config.yaml").read_text())
+    assert doc["results"]["stable_checkpoint"] == {"dir": str(tmp_path / "a" / "work" / "stable"), "step": 3}
+    assert not all(torch.equal(weights[k], v) for k, v in trained.state_dict().items())  # 3 more steps since
+
+    cont = _config(target_dir, tmp_path / "b", steps=4, warmup_ratio=0.0, continue_from=tmp_path / "a" / "work" / "stable", **kw)
+    second = Trainer(cont, prompts[:24], [])
+    assert second.carried.step == 3
+    drafter, opt, _, _ = second._build()
+    for name, tensor in weights.items():
+        assert torch.equal(drafter.state_dict()[name], tensor)
+    assert opt.param_groups[0]["lr"] == cont.lr  # the full learning rate from its first step
+
