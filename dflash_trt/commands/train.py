@@ -29,8 +29,8 @@ def register(sub) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="regenerated-data cache (default: WORK_DIR/data)")
     p.add_argument("--drafter-init", type=Path, default=None, help="start from this drafter (its architecture wins)")
     p.add_argument("--continue-from", type=Path, default=None, metavar="CHECKPOINT",
-                   help="start a new run from another run's checkpoint (its --work-dir or one checkpoints/step-* "
-                        "directory): its float32 weights and AdamW moments carry over; steps, learning-rate "
+                   help="start a new run from another run's checkpoint (its --work-dir, its WORK_DIR/stable, or one "
+                        "checkpoints/step-* directory): its float32 weights and AdamW moments carry over; steps, learning-rate "
                         "schedule and data are this run's; the architecture is the checkpoint's")
     p.add_argument("--grow-layers", type=int, default=0,
                    help="with --drafter-init: append N decoder layers that start as the identity, so the grown "

@@ -84,7 +84,8 @@ class Continuation:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or the latest checkpoint of a work dir (or of its checkpoints/ folder)."""
+    """A step directory, or the latest checkpoint under a folder with latest.json (a work dir's checkpoints/
+    or stable/), or of a work dir's checkpoints/."""
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return path

@@ -145,7 +145,8 @@ class TrainConfig:
         """wsd: the last step at the full learning rate (its state is kept in work_dir/stable)."""
         if self.lr_schedule != "wsd":
             return None
-        return self.steps - max(1, round(self.decay_ratio * self.steps))
+        stable = self.steps - max(1, round(self.decay_ratio * self.steps))
+        return stable if stable >= 1 else None  # decay_ratio 1: the cooldown is the whole run
 
     @property
     def data_root(self) -> Path:

@@ -282,6 +282,7 @@ def test_schedule_settings_are_checked(target_dir, tmp_path):
     with pytest.raises(ConfigError, match="decay_ratio"):
         _config(target_dir, tmp_path, lr_schedule="wsd", decay_ratio=0.97, warmup_ratio=0.04)
     assert _config(target_dir, tmp_path).stable_step is None  # cosine keeps no stable state
+    assert _config(target_dir, tmp_path, lr_schedule="wsd", decay_ratio=1.0, warmup_ratio=0.0).stable_step is None
 
 
 def test_wsd_keeps_the_last_full_lr_state_and_a_later_run_continues_it_without_rewarming(target_dir, tmp_path):
