@@ -380,9 +380,11 @@ class Trainer:
                     post["tau"] = f"{eval_tau:.2f}"
                 bar.set_postfix(post)
                 bar.update(1)
-                if step % c.save_every == 0 or step == c.steps:
+                regular = step % c.save_every == 0 or step == c.steps
+                if regular or step == c.stable_step:  # every saved state carries the time spent so far
                     self.state.wall_s += time.perf_counter() - start
                     start = time.perf_counter()
+                if regular:
                     self.save_checkpoint(drafter, opt, sched, gen)
                 if step == c.stable_step:
                     path = self.save_checkpoint(drafter, opt, sched, gen, stable=True)
