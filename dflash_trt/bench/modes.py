@@ -28,6 +28,7 @@ import torch
 
 from dflash_trt.errors import DFlashError, InputError
 from dflash_trt.engine import NGRAM_MAX_MATCH, EngineConfig, SamplingParams
+from dflash_trt.models.cpu_linear import any_packed, prepack
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class ModeContext:
 
             self._hf = AutoModelForCausalLM.from_pretrained(
                 str(self.target_dir), dtype=self.dtype, local_files_only=True).eval()
+            if any_packed(getattr(self.models, "target", None)):
+                prepack(self._hf)  # the engine's linears run prepacked (--cpu-kernels): the peers' do too
         return self._hf
 
 

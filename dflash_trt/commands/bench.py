@@ -141,6 +141,8 @@ def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
                       dtype=DTYPES[args.dtype], block_size=block,
                       prompt_lookup_tokens=args.prompt_lookup_tokens or (block - 1 if block > 1 else 10))
     body = run_local(cfg, ctx, prompts)
+    from dflash_trt.models.cpu_linear import any_packed
+
     if args.step_costs:
         from dflash_trt.bench.step_cost import measure_step_costs
 
@@ -149,6 +151,7 @@ def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
     extra = {"backend": models.backend, "target": str(models.load.target),
              "drafter": None if drafter_dir is None else str(drafter_dir),
              "target_name": Path(models.load.target).name, "dtype": args.dtype, "target_backend": args.target_backend,
+             "cpu_kernels": "onednn" if any_packed(getattr(models, "target", None)) else "torch",
              "block_size": block, "max_seq_len": ecfg.max_seq_len, "prompt_lookup_tokens": ctx.prompt_lookup_tokens,
              "prompts": [{"dataset": bp.dataset, "prompt_id": bp.prompt.id, "category": bp.prompt.category,
                           "kind": bp.prompt.kind, "prompt_tokens": len(bp.ids)} for bp in prompts]}

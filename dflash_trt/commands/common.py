@@ -8,6 +8,7 @@ from pathlib import Path
 from dflash_trt.config import DrafterConfig, check_block_size, require_dir
 from dflash_trt.engine import ACCEPTANCE_MODES, KV_CACHE_BUDGET_BYTES, EngineConfig
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.cpu_linear import CPU_KERNELS
 from dflash_trt.runtime.factory import BACKENDS, LoadConfig, check_backend, load_backend
 
 CACHE_ENV = "DFLASH_TRT_CACHE"
@@ -29,6 +30,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-backend", choices=("native", "hf"), default="native",
                    help="native: our ragged-batch engine (Llama/Qwen3/gpt-oss); hf: any transformers model, batch 1")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32")
+    g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                   help="float32 linears on CPU (torch backend): onednn runs weights prepacked once for oneDNN "
+                        "(a few-token verify costs little more than a 1-token step; one extra copy of the weights), "
+                        "torch runs ATen's F.linear; auto: onednn when this torch has it and the copy fits in a "
+                        "quarter of the memory")
     g.add_argument("--cache-dir", type=Path, default=None,
                    help=f"where the embedded default is converted once (default: ${CACHE_ENV} or ~/.cache/dflash_trt)")
     e = p.add_argument_group("decoding")
@@ -113,7 +119,8 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
         from dflash_trt.models.smollm2 import ensure_default_target
 
         target = ensure_default_target(cache_dir(args))
-    return LoadConfig(target=target, drafter=drafter, target_backend=args.target_backend, dtype=args.dtype)
+    return LoadConfig(target=target, drafter=drafter, target_backend=args.target_backend, dtype=args.dtype,
+                      cpu_kernels=args.cpu_kernels)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -44,7 +44,8 @@ def register(sub) -> None:
                    help="DFlash with n-gram lookup drafts where the text repeats >= N tokens, 0 = off "
                         "(default: %(default)s)")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
-    p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
+    p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32",
+                   cpu_kernels="auto")
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if self_count:
         from dflash_trt.models.target import load_native_target
 
+        # F.linear, not the prepacked CPU kernels (models/cpu_linear.py): self-prompts are sampled, and a
+        # seed reproduces an earlier mix (its held-out split) only with the kernels that wrote it
         target = load_native_target(Path(target_dir), torch.float32)
     packages = None if args.code_packages is None else tuple(x for x in args.code_packages.split(",") if x.strip())
     sources = prompt_sources(tokenizer, target, seed=args.seed, self_prompts=self_count, code_packages=packages,

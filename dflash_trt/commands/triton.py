@@ -23,7 +23,7 @@ from dflash_trt.errors import DFlashError
 
 REPO_FLAGS = {  # flag dest -> (section or None, settings key)
     "target": (None, "target"), "drafter": (None, "drafter"), "target_backend": (None, "target_backend"),
-    "dtype": (None, "dtype"), "model_name": (None, "model_name"), "backend": (None, "backend"),
+    "dtype": (None, "dtype"), "cpu_kernels": (None, "cpu_kernels"), "model_name": (None, "model_name"), "backend": (None, "backend"),
     "chat": (None, "chat"), "default_max_tokens": (None, "default_max_tokens"), "torch_threads": (None, "torch_threads"),
     "block_size": ("engine", "block_size"), "acceptance": ("engine", "acceptance"),
     "max_seq_len": ("engine", "max_seq_len"), "max_batch_size": ("engine", "max_batch_size"),

@@ -22,6 +22,7 @@ import torch
 from dflash_trt.config import TargetInfo, check_drafter_matches_target, require_dir
 from dflash_trt.engine import Engine, EngineConfig, Target
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.cpu_linear import check_kind as check_cpu_kernels, prepack_if
 from dflash_trt.models.drafter import DTYPES, DFlashDrafter
 from dflash_trt.models.target import TARGET_BACKENDS, load_target
 from dflash_trt.speculative.decoder import DFlashEngine
@@ -39,8 +40,10 @@ class LoadConfig:
     drafter: Path | None  # None: autoregressive only
     target_backend: str = "native"  # torch backend: "native" (our engine) | "hf" (any transformers model, batch 1)
     dtype: str = "float32"
+    cpu_kernels: str = "auto"  # float32 linears on CPU: "auto" | "onednn" (prepacked) | "torch" (models/cpu_linear.py)
 
     def __post_init__(self) -> None:
+        check_cpu_kernels(self.cpu_kernels)
         if self.target_backend not in TARGET_BACKENDS:
             raise ConfigError(f"target_backend must be one of {TARGET_BACKENDS}, got '{self.target_backend}'")
         if self.dtype not in DTYPES:
@@ -125,6 +128,7 @@ def load_torch(load: LoadConfig) -> TorchModels:
         else:
             drafter = DFlashDrafter.from_pretrained(Path(load.drafter), dtype)
         check_drafter_matches_target(drafter.cfg, target.info)
+    prepack_if(load.cpu_kernels, target, drafter)
     return TorchModels(load=load, target=target, drafter=drafter, tokenizer=load_tokenizer(Path(load.target)))
 
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
-
 from dflash_trt.engine import Target
 from dflash_trt.errors import ConfigError
+from dflash_trt.models.cpu_linear import PackedMatrix, any_packed
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,7 @@ class DraftHead:
         self.target = target
         self.ids: torch.Tensor | None = None  # [K] int64 on the target's device
         self.weight: torch.Tensor | None = None  # [K, H] the lm_head rows of `ids`
+        self._matrix: PackedMatrix | None = None
         self.vocab_size = target.info.vocab_size
         if vocab_ids is None:
             return
@@ -44,6 +44,8 @@ class DraftHead:
                               f"has {weight.shape[0]} rows")
         self.ids = vocab_ids.to(device=weight.device, dtype=torch.long)
         self.weight = weight.detach()[self.ids].contiguous()
+        # packed like the target's own linears when those are (--cpu-kernels, models/cpu_linear.py)
+        self._matrix = PackedMatrix(self.weight, any_packed(target))
         log.info("drafting over a %d-token draft vocabulary (of %d)", self.ids.numel(), self.vocab_size)
 
     @property
@@ -51,9 +53,9 @@ class DraftHead:
         return self.weight is not None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
+        if self._matrix is None:
             return self.target.head(hidden)
-        sub = F.linear(hidden, self.weight)  # [B, K, len(ids)]
+        sub = self._matrix(hidden)  # [B, K, len(ids)]
         logits = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.ids] = sub
         return logits

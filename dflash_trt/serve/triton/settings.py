@@ -79,6 +79,7 @@ class TritonSettings(_Strict):
     drafter: str | None = None
     target_backend: Literal["native", "hf"] = "native"
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    cpu_kernels: Literal["auto", "onednn", "torch"] = "auto"  # float32 linears on CPU (models/cpu_linear.py)
     chat: bool = False
     default_max_tokens: int = Field(default=128, ge=1)
     torch_threads: int | None = Field(default=None, ge=1)
@@ -91,7 +92,8 @@ class TritonSettings(_Strict):
     # ---- views the runtime uses ---------------------------------------------------------------
     def load_config(self) -> LoadConfig:
         drafter = Path(self.drafter) if self.drafter is not None and self.engine.speculative else None
-        return LoadConfig(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype)
+        return LoadConfig(target=Path(self.target), drafter=drafter, target_backend=self.target_backend, dtype=self.dtype,
+                          cpu_kernels=self.cpu_kernels)
 
     def engine_config(self) -> EngineConfig:
         values = self.engine.model_dump()
