@@ -277,6 +277,11 @@ def test_demo_interleaves_timed_runs_after_a_warm_up():
     assert len(runs) == 2 and all(len(r) == 2 for r in runs)  # AR and DFlash, 2 timed runs each
     assert "speedup:" in out and "median AR time / median DFlash time" in out
     assert "--ngram-lookup" not in out
+    from dflash_trt.models.cpu_linear import onednn_available
+
+    assert ("float32 linears on oneDNN-prepacked weights" in out) == onednn_available()
+    aten = cli("demo", "--tiny", "--max-new-tokens", "8", "--repeats", "1", "--cpu-kernels", "torch").stdout
+    assert "speedup:" in aten and "oneDNN" not in aten
     lookup = cli("demo", "--tiny", "--max-new-tokens", "24", "--repeats", "1", "--ngram-lookup", "1").stdout
     assert "--ngram-lookup 1: " in lookup and "steps drafted by lookup" in lookup
     bad = cli("demo", "--tiny", "--repeats", "0", check=False)

@@ -20,6 +20,7 @@ from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
 from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
+from dflash_trt.models.cpu_linear import CPU_KERNELS
 
 TINY_BLOCK_SIZE = 8  # the --tiny drafter's trained block
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
@@ -35,6 +36,8 @@ def register(sub) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--drafter", type=Path, default=None, help="a DFlash drafter directory (default: the shipped one)")
     g.add_argument("--cache-dir", type=Path, default=None, help="where the embedded default is converted once")
+    g.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                   help="float32 linears on CPU: oneDNN-prepacked weights or ATen's F.linear (default: %(default)s)")
     e = p.add_argument_group("decoding")
     e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     e.add_argument("--draft-confidence", type=float, default=0.0,
@@ -44,8 +47,7 @@ def register(sub) -> None:
                    help="DFlash with n-gram lookup drafts where the text repeats >= N tokens, 0 = off "
                         "(default: %(default)s)")
     # what load_config reads beyond these flags: the demo always runs the embedded default target
-    p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32",
-                   cpu_kernels="auto")
+    p.set_defaults(func=run, target=None, no_spec=False, target_backend="native", dtype="float32")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -71,14 +73,17 @@ def _check(args: argparse.Namespace) -> None:
 def _tiny_models(args):
     import torch
 
+    from dflash_trt.models.cpu_linear import prepack_if
     from dflash_trt.models.target import native_from_hf
     from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
     from dflash_trt.runtime.factory import LoadConfig, TorchModels
 
     hf = build_tiny_target("llama", seed=0)
     drafter = build_tiny_drafter(hf.config, seed=0, num_layers=1, block_size=TINY_BLOCK_SIZE)
-    load = LoadConfig(target=cache_dir(args), drafter=None)
-    return TorchModels(load=load, target=native_from_hf(hf, torch.float32), drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
+    load = LoadConfig(target=cache_dir(args), drafter=None, cpu_kernels=args.cpu_kernels)
+    target = native_from_hf(hf, torch.float32)
+    prepack_if(args.cpu_kernels, target, drafter)  # as runtime.factory.load_torch does for loaded models
+    return TorchModels(load=load, target=target, drafter=drafter, tokenizer=None), [3, 14, 15, 92, 65]
 
 
 def _timed(engine, ids: list[int], params: SamplingParams) -> tuple[GenerationResult, float]:
@@ -90,6 +95,12 @@ def _timed(engine, ids: list[int], params: SamplingParams) -> tuple[GenerationRe
 def _vocab_note(engine) -> str:
     head = engine.draft_head
     return f", draft vocabulary {head.ids.numel()} of {head.vocab_size} tokens" if head.restricted else ""
+
+
+def _kernels_note(models) -> str:
+    from dflash_trt.models.cpu_linear import any_packed
+
+    return "; float32 linears on oneDNN-prepacked weights" if any_packed(models.target) else ""
 
 
 def _lookup_note(result: GenerationResult, min_match: int) -> str:
@@ -143,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"                tau {df.mean_acceptance_length:.2f} over {len(df.steps)} steps, "
           f"{verified:.1f} of {block - 1} drafts verified per step (block {block}, "
           f"--draft-confidence {engines['dflash'].config.draft_confidence:g}{_vocab_note(engines['dflash'])}"
-          f"{_lookup_note(df, cfg.ngram_lookup)})")
+          f"{_lookup_note(df, cfg.ngram_lookup)}{_kernels_note(models)})")
     print(f"speedup: {med['autoregressive'] / med['dflash']:.2f}x (median AR time / median DFlash time; "
           f"same engine, same process)")
     sys.stdout.flush()

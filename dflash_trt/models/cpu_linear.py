@@ -4,14 +4,14 @@ Why: on CPU a DFlash step costs one K-token target verify, and with ATen's float
 on the weight as stored) a GEMM over a few rows costs far more than the 1-row one: on a 2-core AVX2 EPYC
 (this repository's kind of machine) the 30 layers' linears of SmolLM2-135M took 32 ms for 1 row and
 59 ms for 8 rows, so a block-8 verify cost 1.7 one-token steps and ate most of what the drafts saved.
-oneDNN reorders each weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-the weight prepacking torch's inductor uses for CPU linears) and runs `torch.ops.mkldnn._linear_pointwise`
-on it: 26 ms for 1 row and 31 ms for 8 rows on the same machine. `dflash-trt bench --step-costs` measures
+oneDNN reorders each weight once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`;
+torch's inductor packs frozen CPU linears with the same ops, torch/_inductor/fx_passes/mkldnn_fusion.py) and
+runs `torch.ops.mkldnn._linear_pointwise` on it: 26 ms for 1 row and 31 ms for 8 rows on the same machine. `dflash-trt bench --step-costs` measures
 the model-level ratios on the machine at hand.
 
 What `prepack` does to a module tree: every `nn.Linear` of exactly that class (tensor-parallel subclasses
-and quantization emulation keep their own forward) whose weight is float32 on
-CPU gets an instance `forward` that runs the packed weight. The module keeps its class, parameters and
+and quantization emulation keep their own forward) whose weight is float32 on CPU gets an instance
+`forward` that runs the packed weight. The module keeps its class, parameters and
 state dict; only inference uses the packed copy:
 - under autograd (`torch.is_grad_enabled()`), for an input that is not float32 on CPU, it runs `F.linear`
   on the weight as before (training and gradients never see the packed copy);

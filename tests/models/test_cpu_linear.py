@@ -188,3 +188,17 @@ def test_triton_settings_carry_cpu_kernels():
     assert TritonSettings.from_dict({"target": "/t"}, "test").load_config().cpu_kernels == "auto"
     with pytest.raises(Exception, match="cpu_kernels"):
         TritonSettings.from_dict({"target": "/t", "cpu_kernels": "fast"}, "test")
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["onednn", "torch"])
+def test_bench_peers_run_the_engine_kernels(tmp_path, kind):
+    """The transformers peers (hf-generate, hf-prompt-lookup) run on packed linears exactly when the engine
+    does, so a bench compares decoding methods, not kernels."""
+    from dflash_trt.bench.modes import ModeContext
+
+    target_dir, drafter_dir = save_tiny_checkpoint(tmp_path, arch="llama", seed=2)
+    models = load_backend("torch", LoadConfig(target_dir, drafter_dir, cpu_kernels=kind))
+    ctx = ModeContext(models=models, engine_config=EngineConfig(), target_dir=target_dir, drafter_dir=drafter_dir,
+                      dtype=torch.float32, block_size=8, prompt_lookup_tokens=7)
+    assert any_packed(ctx.hf_target()) == (kind == "onednn") == any_packed(models.target)
