@@ -21,6 +21,7 @@ from dflash_trt.bench.runner import DEFAULT_SWEEP
 from dflash_trt.commands.common import (add_backend_flag, add_model_flags, check_model_flags, format_draft_len_schedule,
                                        load)
 from dflash_trt.errors import InputError
+from dflash_trt.models.cpu_linear import any_packed
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -141,8 +142,6 @@ def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
                       dtype=DTYPES[args.dtype], block_size=block,
                       prompt_lookup_tokens=args.prompt_lookup_tokens or (block - 1 if block > 1 else 10))
     body = run_local(cfg, ctx, prompts)
-    from dflash_trt.models.cpu_linear import any_packed
-
     if args.step_costs:
         from dflash_trt.bench.step_cost import measure_step_costs
 

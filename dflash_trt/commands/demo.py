@@ -20,7 +20,7 @@ from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
 from dflash_trt.config import DrafterConfig, check_block_size
 from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
-from dflash_trt.models.cpu_linear import CPU_KERNELS
+from dflash_trt.models.cpu_linear import CPU_KERNELS, any_packed, prepack_if
 
 TINY_BLOCK_SIZE = 8  # the --tiny drafter's trained block
 DEFAULT_QUESTION = "Write a Python function that checks whether a string is a palindrome."
@@ -73,7 +73,6 @@ def _check(args: argparse.Namespace) -> None:
 def _tiny_models(args):
     import torch
 
-    from dflash_trt.models.cpu_linear import prepack_if
     from dflash_trt.models.target import native_from_hf
     from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target
     from dflash_trt.runtime.factory import LoadConfig, TorchModels
@@ -98,8 +97,6 @@ def _vocab_note(engine) -> str:
 
 
 def _kernels_note(models) -> str:
-    from dflash_trt.models.cpu_linear import any_packed
-
     return "; float32 linears on oneDNN-prepacked weights" if any_packed(models.target) else ""
 
 

@@ -129,7 +129,7 @@ def prepack(module: nn.Module) -> int:
 
 def prepack_if(kind: str, *modules: object) -> int:
     """`prepack` every module among `modules` when `should_pack(kind, ...)` says so; returns how many
-    linears were packed (0 when none). The loaders' one entry point (runtime/factory.py, training)."""
+    linears were packed (0 when none). The loaders' one entry point (runtime/factory.py, the demo's tiny models)."""
     mods = [m for m in modules if isinstance(m, nn.Module)]
     if not should_pack(kind, mods):
         return 0
@@ -157,17 +157,3 @@ def unpack(module: nn.Module) -> int:
             count += 1
     return count
 
-
-class PackedMatrix:
-    """`x @ weight.T` for a fixed inference-only matrix (the draft vocabulary's lm_head rows), packed
-    the same way; a plain F.linear when not packed."""
-
-    def __init__(self, weight: torch.Tensor, packed: bool) -> None:
-        self.weight = weight
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-                       if packed and weight.dtype == torch.float32 and weight.device.type == "cpu" else None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

@@ -16,9 +16,11 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
+
 from dflash_trt.engine import Target
 from dflash_trt.errors import ConfigError
-from dflash_trt.models.cpu_linear import PackedMatrix, any_packed
+from dflash_trt.models.cpu_linear import any_packed, prepack
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class DraftHead:
         self.target = target
         self.ids: torch.Tensor | None = None  # [K] int64 on the target's device
         self.weight: torch.Tensor | None = None  # [K, H] the lm_head rows of `ids`
-        self._matrix: PackedMatrix | None = None
+        self._linear: nn.Linear | None = None  # over `weight`: prepacked like the target's linears when those are
         self.vocab_size = target.info.vocab_size
         if vocab_ids is None:
             return
@@ -44,8 +46,10 @@ class DraftHead:
                               f"has {weight.shape[0]} rows")
         self.ids = vocab_ids.to(device=weight.device, dtype=torch.long)
         self.weight = weight.detach()[self.ids].contiguous()
-        # packed like the target's own linears when those are (--cpu-kernels, models/cpu_linear.py)
-        self._matrix = PackedMatrix(self.weight, any_packed(target))
+        self._linear = nn.Linear(weight.shape[1], self.ids.numel(), bias=False, device="meta")
+        self._linear.weight = nn.Parameter(self.weight, requires_grad=False)
+        if any_packed(target):  # --cpu-kernels (models/cpu_linear.py): the same packed forward
+            prepack(self._linear)
         log.info("drafting over a %d-token draft vocabulary (of %d)", self.ids.numel(), self.vocab_size)
 
     @property
@@ -53,9 +57,9 @@ class DraftHead:
         return self.weight is not None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._matrix is None:
+        if self._linear is None:
             return self.target.head(hidden)
-        sub = self._matrix(hidden)  # [B, K, len(ids)]
+        sub = self._linear(hidden)  # [B, K, len(ids)]
         logits = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., self.ids] = sub
         return logits

@@ -13,7 +13,7 @@ from torch import nn
 from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.errors import ConfigError
 from dflash_trt.models import cpu_linear
-from dflash_trt.models.cpu_linear import PackedMatrix, any_packed, is_packed, prepack, should_pack, unpack
+from dflash_trt.models.cpu_linear import any_packed, is_packed, prepack, should_pack, unpack
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, random_prompts, save_tiny_checkpoint
 from dflash_trt.runtime.factory import LoadConfig, load_backend
 
@@ -123,13 +123,30 @@ def test_auto_stays_off_when_the_copy_does_not_fit_memory(monkeypatch):
 
 
 @needs_onednn
-def test_packed_matrix_matches_f_linear():
-    w = torch.randn(40, 32)
-    x = torch.randn(2, 7, 32)
+def test_draft_vocabulary_head_is_packed_with_its_target():
+    """The draft-vocabulary head (speculative/draft_head.py) runs its lm_head rows through the same packed
+    linear when the target's linears are packed, and plain F.linear when they are not (or are bf16)."""
+    from dflash_trt.models.target import native_from_hf
+    from dflash_trt.speculative.draft_head import DraftHead
+
+    ids = torch.tensor([7, 3, 40, 11])
+    x = torch.randn(2, 7, 64)
+    heads = {}
+    for name, dtype, pack in (("packed", torch.float32, True), ("plain", torch.float32, False),
+                              ("bf16", torch.bfloat16, True)):
+        target = native_from_hf(build_tiny_target("llama", seed=4), dtype)
+        if pack:
+            prepack(target)
+        heads[name] = DraftHead(target, ids)
+    rows = heads["plain"].weight
+    assert torch.equal(rows, heads["packed"].weight)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedMatrix(w, True)(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
-        assert torch.equal(PackedMatrix(w, False)(x), F.linear(x, w))
-        assert PackedMatrix(w.to(torch.bfloat16), True).packed is None
+        want = F.linear(x, rows)
+        torch.testing.assert_close(heads["packed"](x)[..., ids], want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(heads["plain"](x)[..., ids], want)
+        assert torch.isinf(heads["packed"](x)[..., 0]).all()  # outside the draft vocabulary
+    assert any_packed(heads["packed"]._linear)
+    assert not any_packed(heads["plain"]._linear) and not any_packed(heads["bf16"]._linear)
 
 
 @needs_onednn
