@@ -208,17 +208,23 @@ class DFlashEngine:
                 torch.tensor([p.top_k for p in sel], device=dev),
                 torch.tensor([p.top_p for p in sel], dtype=torch.float64, device=dev))
 
-    def _uniforms(self, seqs, idx, count: int) -> torch.Tensor:
-        draws = [torch.rand(count, generator=seqs[i].generator, dtype=torch.float64) for i in idx]  # CPU generators
+    def _uniforms(self, seqs, idx, count: int, width: int | None = None) -> torch.Tensor:
+        """[len(idx), count] uniforms, each row's from its own generator. Each row draws `width` (default
+        `count`) and uses the first `count`: a fixed width keeps a row's random stream, and so a seeded
+        row's tokens, independent of how far the other rows of the batch verify this step (the verify
+        width is the batch's longest kept draft, EngineConfig.draft_confidence / ngram_lookup)."""
+        width = count if width is None else max(width, count)
+        draws = [torch.rand(width, generator=seqs[i].generator, dtype=torch.float64)[:count] for i in idx]  # CPU generators
         return torch.stack(draws).to(self.device)
 
-    def _choose(self, logits: torch.Tensor, seqs) -> torch.Tensor:
-        """The target's choice at every position: argmax, or a sample for sampled rows. [B, T]."""
+    def _choose(self, logits: torch.Tensor, seqs, width: int | None = None) -> torch.Tensor:
+        """The target's choice at every position: argmax, or a sample for sampled rows. [B, T].
+        `width`: uniforms each sampled row draws (see _uniforms; default T)."""
         tokens = logits.argmax(-1)
         idx = self._sampled_rows(seqs)
         if idx:
             probs = processed_probs(logits[idx], *self._params(seqs, idx))
-            tokens[idx] = inverse_cdf(probs, self._uniforms(seqs, idx, logits.shape[1]))
+            tokens[idx] = inverse_cdf(probs, self._uniforms(seqs, idx, logits.shape[1], width))
         return tokens
 
     def _propose(self, draft_logits, seqs):
@@ -241,7 +247,7 @@ class DFlashEngine:
         speculative.verify.accept_rejection."""
         n, k = block.shape[0], block.shape[1] - 1
         if draft_probs is None:
-            acc = accept_tokens(block[:, 1:], self._choose(logits, seqs), lens, start)
+            acc = accept_tokens(block[:, 1:], self._choose(logits, seqs, width=self.block_size), lens, start)
             return acc.accepted, acc.bonus
         idx = self._sampled_rows(seqs)
         greedy = [i for i in range(n) if i not in idx]
@@ -252,7 +258,7 @@ class DFlashEngine:
             accepted[greedy], bonus[greedy] = acc.accepted, acc.bonus
         p = processed_probs(logits[idx], *self._params(seqs, idx))
         acc = accept_rejection(block[idx, 1:], draft_probs, p, lens[idx],
-                               self._uniforms(seqs, idx, k), self._uniforms(seqs, idx, 1)[:, 0])
+                               self._uniforms(seqs, idx, k, width=self.block_size - 1), self._uniforms(seqs, idx, 1)[:, 0])
         accepted[idx], bonus[idx] = acc.accepted, acc.bonus
         return accepted, bonus
 

@@ -181,9 +181,9 @@ class RepeatProposer(DFlashEngine):
 PROMPTS = [[5, 9, 3], [7, 7, 1, 12, 30, 4, 4, 8, 9, 10, 11], [20], [6, 6, 6, 2, 9]]
 
 
-def _run(models, prompts, params, acceptance="exact", batch=4, cls=RepeatProposer):
+def _run(models, prompts, params, acceptance="exact", batch=4, cls=RepeatProposer, **config):
     target, drafter = models
-    engine = cls(target, drafter, EngineConfig(max_batch_size=batch, max_seq_len=48, acceptance=acceptance))
+    engine = cls(target, drafter, EngineConfig(max_batch_size=batch, max_seq_len=48, acceptance=acceptance, **config))
     return engine.generate(prompts, params)
 
 
@@ -203,10 +203,12 @@ def test_same_seed_same_output_different_seeds_differ(models, acceptance):
 
 
 @pytest.mark.parametrize("acceptance", ["exact", "rejection"])
-def test_output_does_not_depend_on_the_batch(models, acceptance):
+@pytest.mark.parametrize("confidence", [0.0, 0.3])
+def test_output_does_not_depend_on_the_batch(models, acceptance, confidence):
     """A seeded sampled request gives the same tokens alone and among neighbours that are greedy,
-    sampled with other parameters, joining and leaving at different steps."""
-    alone = _run(models, [PROMPTS[0]], SAMPLED, acceptance, batch=1)[0]
+    sampled with other parameters, joining and leaving at different steps; also when each row verifies
+    only its confident drafts, so the batch's verify width is set by the neighbours' drafts."""
+    alone = _run(models, [PROMPTS[0]], SAMPLED, acceptance, batch=1, draft_confidence=confidence)[0]
     neighbours = [
         SamplingParams(max_new_tokens=7),
         SamplingParams(temperature=1.0, seed=7, max_new_tokens=3, ignore_eos=True),
@@ -215,7 +217,10 @@ def test_output_does_not_depend_on_the_batch(models, acceptance):
     ]
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]]
     params = [neighbours[0], neighbours[1], SAMPLED, neighbours[2], neighbours[3]]
-    crowded = _run(models, prompts, params, acceptance, batch=3)
+    crowded = _run(models, prompts, params, acceptance, batch=3, draft_confidence=confidence)
     assert crowded[2].tokens == alone.tokens
+    if confidence:  # the rows did verify different numbers of drafts
+        assert len({s.draft_tokens for r in crowded for s in r.steps}) > 1
     # the greedy neighbour equals greedy alone too
-    assert crowded[0].tokens == _run(models, [PROMPTS[1]], neighbours[0], acceptance, batch=1)[0].tokens
+    assert crowded[0].tokens == _run(models, [PROMPTS[1]], neighbours[0], acceptance, batch=1,
+                                     draft_confidence=confidence)[0].tokens
