@@ -78,6 +78,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# the default draft_confidence of an engine on a CPU (EngineConfig.on_device): the threshold that measured
+# fastest on the embedded default's full HumanEval and MT-Bench sets (MODEL_CARD.md, docs/bench/)
+CPU_DRAFT_CONFIDENCE = 0.05
 NGRAM_MAX_MATCH = 8  # n-gram lookup counts match lengths up to this many tokens (speculative/ngram.py)
 
 
@@ -90,8 +93,9 @@ class EngineConfig:
     max_seq_len: int | None = None  # prompt + generated tokens per sequence; None = default_max_seq_len
     speculative: bool = True  # False: plain autoregressive decoding on the same engine
     acceptance: str = "exact"  # "exact" (one-hot q) or "rejection" (drafter's soft q)
-    # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block
-    draft_confidence: float = 0.0
+    # verify only the drafts the drafter is confident in (speculative/draft_len.py); 0 = the whole block;
+    # None = by device (EngineConfig.on_device): CPU_DRAFT_CONFIDENCE on a CPU, the whole block elsewhere
+    draft_confidence: float | None = None
     # ((batch-size threshold, drafts per row), ...) as TensorRT-LLM's draft_len_schedule; None = always block - 1
     draft_len_schedule: tuple[tuple[int, int], ...] | None = None
     # draft over the drafter's draft vocabulary (draft_vocab.json, models/drafter.py) when it ships one;
@@ -110,10 +114,19 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
         if self.acceptance not in ACCEPTANCE_MODES:
             raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODES}, got '{self.acceptance}'")
-        if not 0.0 <= self.draft_confidence < 1.0:
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
             raise ConfigError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if not 0 <= self.ngram_lookup <= NGRAM_MAX_MATCH:
             raise ConfigError(f"ngram_lookup must be in [0, {NGRAM_MAX_MATCH}] (0 = off), got {self.ngram_lookup}")
+
+    def on_device(self, device_type: str) -> "EngineConfig":
+        """This config with the device-dependent defaults filled in: draft_confidence None becomes
+        CPU_DRAFT_CONFIDENCE on a CPU, where a K-token verify costs well over a 1-token step so drafts
+        likely to be rejected are not worth verifying, and 0 (the whole block) on a GPU, where a block
+        verifies at about the cost of one token. An explicit value is kept."""
+        if self.draft_confidence is not None:
+            return self
+        return replace(self, draft_confidence=CPU_DRAFT_CONFIDENCE if device_type == "cpu" else 0.0)
 
     def for_models(self, info: TargetInfo, drafter_block_size: int | None, kv_itemsize: int) -> "EngineConfig":
         """This config checked against the loaded models, with max_seq_len filled in (the rules every

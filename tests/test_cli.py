@@ -33,7 +33,7 @@ def test_generate_json_contract(ckpt):
     spec = json.loads(cli(*base, "--prompt", "hello there", "--max-new-tokens", "20", "--ignore-eos").stdout)
     assert set(spec) >= {"tokens", "text", "steps", "mean_acceptance_length", "tokens_per_s"}
     assert len(spec["tokens"]) == 20 and spec["block_size"] == 8
-    assert all(s["draft_tokens"] == 7 and 0 <= s["accepted"] <= 7 for s in spec["steps"])
+    assert all(0 <= s["accepted"] <= s["draft_tokens"] <= 7 for s in spec["steps"])
     assert 1.0 <= spec["mean_acceptance_length"] <= 8.0 and spec["tokens_per_s"] > 0
     ar = json.loads(cli(*base, "--prompt", "hello there", "--max-new-tokens", "20", "--ignore-eos", "--no-spec").stdout)
     assert ar["tokens"] == spec["tokens"] and ar["text"] == spec["text"]
@@ -49,8 +49,11 @@ def test_draft_truncation_flags_keep_the_output(ckpt):
     target, drafter, _ = ckpt
     base = ["generate", "--target", str(target), "--drafter", str(drafter), "--max-seq-len", "256", "--json",
             "--prompt", "hello there", "--max-new-tokens", "16", "--ignore-eos"]
-    full = json.loads(cli(*base).stdout)
-    assert all(s["draft_tokens"] == 7 for s in full["steps"])  # default: the whole block
+    full = json.loads(cli(*base, "--draft-confidence", "0").stdout)
+    assert all(s["draft_tokens"] == 7 for s in full["steps"])  # 0: the whole block
+    default = json.loads(cli(*base).stdout)  # on CPU: CPU_DRAFT_CONFIDENCE
+    assert default["tokens"] == full["tokens"]
+    assert any(s["draft_tokens"] < 7 for s in default["steps"])  # a random tiny drafter is rarely confident
     cut = json.loads(cli(*base, "--draft-confidence", "0.5", "--draft-len-schedule", "1:3,2:0").stdout)
     assert cut["tokens"] == full["tokens"]
     assert all(s["draft_tokens"] <= 3 for s in cut["steps"])

@@ -120,6 +120,12 @@ def _run_endpoint(args, cfg, prompts) -> tuple[dict, dict]:
     return body, {"endpoint": ecfg.base, "model": model, "target_name": model, "block_size": None}
 
 
+def _device_type(models) -> str:
+    """Where the engines run: the torch target's device; TensorRT-LLM always runs on a GPU."""
+    target = getattr(models, "target", None)
+    return "cuda" if target is None else target.device.type
+
+
 def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
     from dataclasses import replace
 
@@ -151,6 +157,8 @@ def _run_local(args, cfg, prompts, ecfg) -> tuple[dict, dict]:
              "drafter": None if drafter_dir is None else str(drafter_dir),
              "target_name": Path(models.load.target).name, "dtype": args.dtype, "target_backend": args.target_backend,
              "cpu_kernels": "onednn" if any_packed(getattr(models, "target", None)) else "torch",
+             # the `dflash` mode's threshold, with the device default filled in (EngineConfig.on_device)
+             "draft_confidence": ecfg.on_device(_device_type(models)).draft_confidence,
              "block_size": block, "max_seq_len": ecfg.max_seq_len, "prompt_lookup_tokens": ctx.prompt_lookup_tokens,
              "prompts": [{"dataset": bp.dataset, "prompt_id": bp.prompt.id, "category": bp.prompt.category,
                           "kind": bp.prompt.kind, "prompt_tokens": len(bp.ids)} for bp in prompts]}

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from dflash_trt.config import DrafterConfig, check_block_size, require_dir
-from dflash_trt.engine import ACCEPTANCE_MODES, KV_CACHE_BUDGET_BYTES, EngineConfig
+from dflash_trt.engine import ACCEPTANCE_MODES, CPU_DRAFT_CONFIDENCE, KV_CACHE_BUDGET_BYTES, EngineConfig
 from dflash_trt.errors import ConfigError
 from dflash_trt.models.cpu_linear import CPU_KERNELS
 from dflash_trt.runtime.factory import BACKENDS, LoadConfig, check_backend, load_backend
@@ -42,10 +42,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding on the same engine")
     e.add_argument("--acceptance", choices=ACCEPTANCE_MODES, default="exact",
                    help="exact: target samples, drafts accepted while equal; rejection: min(1, p/q) with the drafter's q")
-    e.add_argument("--draft-confidence", type=float, default=0.0,
+    e.add_argument("--draft-confidence", type=float, default=None,
                    help="verify a row's drafts only while the product of the drafter's top-1 probabilities stays "
                         ">= this (0 = always the whole block); output is unchanged, only speed: it pays where a "
-                        "K-token verify costs well over a 1-token step (measure with `bench --modes dflash@C,...`)")
+                        "K-token verify costs well over a 1-token step (measure with `bench --modes dflash@C,...`). "
+                        f"Default: {CPU_DRAFT_CONFIDENCE:g} on CPU, the whole block on a GPU and with --backend trtllm")
     e.add_argument("--draft-len-schedule", type=parse_draft_len_schedule, default=None, metavar="B:K,...",
                    help="drafts per row by batch size, as TensorRT-LLM's draft_len_schedule: '1:7,4:3,8:0' = 7 drafts "
                         "below 4 rows, 3 below 8, none from 8 rows up")

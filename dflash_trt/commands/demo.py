@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_trt.commands.common import cache_dir, drafter_dir, load_config
 from dflash_trt.config import DrafterConfig, check_block_size
-from dflash_trt.engine import EngineConfig, GenerationResult, SamplingParams
+from dflash_trt.engine import CPU_DRAFT_CONFIDENCE, EngineConfig, GenerationResult, SamplingParams
 from dflash_trt.errors import ConfigError, DFlashError
 from dflash_trt.models.cpu_linear import CPU_KERNELS, any_packed, prepack_if
 
@@ -40,9 +40,9 @@ def register(sub) -> None:
                    help="float32 linears on CPU: oneDNN-prepacked weights or ATen's F.linear (default: %(default)s)")
     e = p.add_argument_group("decoding")
     e.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
-    e.add_argument("--draft-confidence", type=float, default=0.0,
+    e.add_argument("--draft-confidence", type=float, default=None,
                    help="verify drafts only while the drafter is this confident, 0 = the whole block "
-                        "(default: %(default)s)")
+                        f"(default: {CPU_DRAFT_CONFIDENCE:g} on CPU, the whole block on a GPU)")
     e.add_argument("--ngram-lookup", type=int, default=0, metavar="N",
                    help="DFlash with n-gram lookup drafts where the text repeats >= N tokens, 0 = off "
                         "(default: %(default)s)")

@@ -269,7 +269,8 @@ class TrtllmEngine:
         drafter = DrafterConfig.load(Path(load.drafter)) if config.speculative and load.drafter is not None else None
         if config.speculative and drafter is None and config.block_size not in (None, 1):
             raise ConfigError("speculative decoding needs a drafter (or run with speculative=False)")
-        config = config.for_models(info, None if drafter is None else drafter.block_size, KV_ITEMSIZE)
+        # TensorRT-LLM runs on a GPU and verifies every draft it proposes: the whole block (on_device)
+        config = config.for_models(info, None if drafter is None else drafter.block_size, KV_ITEMSIZE).on_device("cuda")
         self.api, self.info, self.config, self.detokenize = api, info, config, detokenize
         self.speculative = drafter is not None and config.block_size != 1
         self.block_size = (config.block_size or drafter.block_size) if self.speculative else 1

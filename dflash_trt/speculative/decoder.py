@@ -40,6 +40,7 @@ class DFlashEngine:
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None, config: EngineConfig = EngineConfig(),
                  detokenize: Callable[[list[int]], str] | None = None) -> None:
+        config = config.on_device(target.device.type)
         self.target, self.drafter, self.config = target, drafter, config
         self.info = target.info
         self.speculative = config.speculative and drafter is not None and config.block_size != 1

@@ -13,6 +13,7 @@ import torch
 from dflash_trt.bench import modes as bench_modes
 from dflash_trt.bench.report import first_difference, per_position, tau_of
 from dflash_trt.cli import main
+from dflash_trt.engine import CPU_DRAFT_CONFIDENCE
 from dflash_trt.models.tiny import save_tiny_checkpoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,6 +60,7 @@ def test_full_run_report_is_consistent(tiny, tmp_path, capsys):
     modes = report["modes"]["measured"]
     assert modes == ["dflash", "ar", "hf-generate", "hf-prompt-lookup", "dflash-reference"]
     assert report["config"]["block_size"] == BLOCK and report["config"]["max_new_tokens"] == 10
+    assert report["config"]["draft_confidence"] == CPU_DRAFT_CONFIDENCE  # unset: the CPU default, recorded
 
     records = report["records"]
     prompts = {(r["dataset"], r["prompt_id"]) for r in records}
@@ -167,6 +169,7 @@ def test_truncated_dflash_against_full_blocks(tiny, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["errors"] == []  # same tokens in every mode, batch 1 and sweep
+    assert report["config"]["draft_confidence"] == 0.5  # the `dflash` mode's threshold is recorded
     by_mode = {r["mode"]: r for r in report["aggregates"]["by_dataset"]}
     assert by_mode["dflash-full"]["verified_per_step"] == BLOCK - 1
     assert by_mode["dflash"]["verified_per_step"] < BLOCK - 1  # a random drafter is rarely confident

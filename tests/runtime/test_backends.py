@@ -18,7 +18,7 @@ import pytest
 
 from dflash_trt.cli import main
 from dflash_trt.config import DrafterConfig
-from dflash_trt.engine import Engine, EngineConfig, SamplingParams
+from dflash_trt.engine import CPU_DRAFT_CONFIDENCE, Engine, EngineConfig, SamplingParams
 from dflash_trt.errors import BackendUnavailableError, ConfigError, ContextLengthError, InputError
 from dflash_trt.models.tiny import save_tiny_checkpoint
 from dflash_trt.runtime.scheduler import ErrorEvent, FinalEvent, Scheduler, TokenEvent
@@ -70,7 +70,8 @@ class FakeLLM:
         spec = kwargs.get("speculative_config")
         load = LoadConfig(Path(kwargs["model"]), Path(spec["speculative_model"]) if spec else None, dtype="float64")
         config = EngineConfig(block_size=spec["max_draft_len"] + 1 if spec else None, max_batch_size=1,
-                              max_seq_len=kwargs["max_seq_len"], speculative=spec is not None)
+                              max_seq_len=kwargs["max_seq_len"], speculative=spec is not None,
+                              draft_confidence=0.0)  # TensorRT-LLM verifies every draft it proposes
         self.oracle = load_backend("torch", load).engine(config)
         FakeLLM.made.append(self)
 
@@ -106,7 +107,10 @@ def open_models(backend: str, ckpt):
 
 @pytest.fixture(scope="module")
 def engines(ckpt):
-    out = {b: open_models(b, ckpt).engine(EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ)) for b in ("torch", "trtllm")}
+    # whole blocks on both (the torch engine's CPU default truncates drafts; TensorRT-LLM never does), so
+    # the two give the same steps, not only the same tokens
+    config = EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ, draft_confidence=0.0)
+    out = {b: open_models(b, ckpt).engine(config) for b in ("torch", "trtllm")}
     yield out
     for engine in out.values():
         engine.shutdown()
@@ -124,6 +128,21 @@ def test_both_engines_validate_requests_alike(engines, backend):
         engine.make_sequence(PROMPTS[0], SamplingParams(max_new_tokens=500))
 
 
+def test_draft_confidence_defaults_follow_the_device(ckpt):
+    """Unset, draft_confidence is CPU_DRAFT_CONFIDENCE on a CPU torch engine and the whole block with
+    TensorRT-LLM (which has no such setting); a value set is kept on the torch engine."""
+    default = EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ)
+    torch_models, trt_models = open_models("torch", ckpt), open_models("trtllm", ckpt)
+    assert default.draft_confidence is None
+    assert torch_models.engine(default).config.draft_confidence == CPU_DRAFT_CONFIDENCE > 0
+    trt = trt_models.engine(default)
+    assert trt.config.draft_confidence == 0.0
+    trt.shutdown()
+    assert torch_models.engine(replace(default, draft_confidence=0.0)).config.draft_confidence == 0.0
+    assert torch_models.engine(replace(default, draft_confidence=0.3)).config.draft_confidence == 0.3
+    assert default.on_device("cuda").draft_confidence == 0.0 and default.on_device("cpu").draft_confidence > 0
+
+
 def test_the_same_requests_give_the_same_results(engines, ckpt):
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     torch_res, trt_res = (engines[b].generate(PROMPTS, params) for b in ("torch", "trtllm"))
@@ -132,7 +151,7 @@ def test_the_same_requests_give_the_same_results(engines, ckpt):
         assert a.steps == b.steps  # drafted / accepted per verification step, from the streamed chunk sizes
         assert a.finish_reason == b.finish_reason == "length"
         assert a.prompt_tokens == b.prompt_tokens
-    llm = FakeLLM.made[-1]
+    llm = engines["trtllm"].llm  # the LLM this engine made (other tests make more)
     drafter = DrafterConfig.load(ckpt[1])
     assert llm.kwargs == {"model": str(ckpt[0].absolute()), "backend": "pytorch", "max_batch_size": 2,
                           "max_seq_len": MAX_SEQ,

@@ -35,8 +35,10 @@ def _start(models: list[str], log: Path) -> tuple[subprocess.Popen, str]:
 def server(tiny_checkpoint, tmp_path_factory):
     target, drafter = tiny_checkpoint
     log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    # whole blocks (not the CPU default's confidence cut): every step then carries BLOCK_SIZE - 1 drafts,
+    # which the metrics tests count on
     models = ["--target", str(target), "--drafter", str(drafter), "--dtype", "float64",
-              "--max-seq-len", str(MAX_SEQ_LEN)]
+              "--max-seq-len", str(MAX_SEQ_LEN), "--draft-confidence", "0"]
     proc, url = _start(models, log)
     try:
         # `dflash-trt generate --json`, run in this process while the server starts (saves a start-up)

@@ -129,11 +129,12 @@ def test_config_yaml_with_relative_paths_and_flag_overrides(ckpt, tmp_path):
 
 def test_draft_speed_flags_reach_the_model_settings(ckpt, tmp_path):
     """--draft-confidence, --draft-len-schedule, --no-draft-vocab and --ngram-lookup land in model.yaml
-    and in the engine config the model builds; without them the whole block, the draft vocabulary and no
-    n-gram lookup."""
+    and in the engine config the model builds; without them the device's default confidence (null), the
+    draft vocabulary and no n-gram lookup."""
     assert write(ckpt, tmp_path / "a") == 0
     plain = TritonSettings.load(tmp_path / "a/dflash/1/model.yaml")
-    assert plain.engine.draft_confidence == 0.0 and plain.engine.draft_vocab and plain.engine.draft_len_schedule is None
+    assert plain.engine.draft_confidence is None and plain.engine_config().draft_confidence is None
+    assert plain.engine.draft_vocab and plain.engine.draft_len_schedule is None
     assert plain.engine.ngram_lookup == 0
     assert write(ckpt, tmp_path / "b", "--draft-confidence", "0.3", "--draft-len-schedule", "1:3,4:0",
                  "--no-draft-vocab", "--ngram-lookup", "3") == 0

@@ -14,7 +14,7 @@ corrupted slot exactly.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -93,8 +93,10 @@ class OracleEngine(DFlashEngine):
     """Drafts = the true greedy continuation, corrupted from a random slot on; records the
     acceptance each row must get (the first corrupted slot, K when none)."""
 
-    def __init__(self, *args, truth, seed: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target, drafter, config: EngineConfig, *, truth, seed: int) -> None:
+        # every row verifies its whole block (no confidence cut: the random drafter's confidence says
+        # nothing about the oracle's drafts), so acceptance is exactly the uncorrupted prefix
+        super().__init__(target, drafter, replace(config, draft_confidence=0.0))
         self.truth, self.rng = truth, random.Random(seed)
         self.expected: list[list[int]] = []  # per step: the acceptance each row must get
         self.expected_by_seq: dict[int, list[int]] = {}  # id(sequence) -> per step

@@ -173,7 +173,7 @@ SETTINGS = [
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
 def test_dflash_sampling_matches_target_distribution(models, acceptance, temperature, top_k, top_p):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    counts, accepted = sample_counts(models, params, acceptance)
+    counts, accepted = sample_counts(models, params, acceptance, draft_confidence=0.0)  # whole blocks
     stat, critical = chi_square(counts, models[2].joint(params))
     assert stat < critical, f"chi-square {stat:.1f} >= critical {critical:.1f}: DFlash sampling is not the target's"
     # acceptance was exercised: both full and partial acceptance happened, often
@@ -245,7 +245,7 @@ def test_broken_acceptance_fails_chi_square(models, monkeypatch, acceptance, mod
     """Negative control: the same test detects a wrong acceptance rule."""
     monkeypatch.setattr(module, name, broken)
     params = SamplingParams(temperature=1.0)
-    counts, _ = sample_counts(models, params, acceptance)
+    counts, _ = sample_counts(models, params, acceptance, draft_confidence=0.0)
     stat, critical = chi_square(counts, models[2].joint(params))
     assert stat > critical, f"a broken {name} went undetected (chi-square {stat:.1f} < {critical:.1f})"
 

@@ -49,8 +49,8 @@ def test_grown_drafter_drafts_exactly_what_the_trained_one_drafted(tiny):
     target = native_from_hf(hf).double()
     prompts = _prompts(6, seed=2)
     params = SamplingParams(max_new_tokens=24)
-    runs = [DFlashEngine(target, copy.deepcopy(d).double(), EngineConfig(max_batch_size=6, max_seq_len=128)).generate(prompts, params)
-            for d in (drafter, grown)]
+    config = EngineConfig(max_batch_size=6, max_seq_len=128, draft_confidence=0.0)  # whole blocks: every draft verified
+    runs = [DFlashEngine(target, copy.deepcopy(d).double(), config).generate(prompts, params) for d in (drafter, grown)]
     # same drafts -> the same acceptance at every step (and the same, lossless, tokens)
     assert [[s.accepted for s in r.steps] for r in runs[0]] == [[s.accepted for s in r.steps] for r in runs[1]]
     assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]

@@ -18,7 +18,7 @@ Triton) and `decoupled: false` (unary requests) by default; `decoupled: true` st
     default_max_tokens: 128   # when a request has no sampling_param_max_tokens
     torch_threads: null       # torch intra-op threads in the model process (null = torch's default)
     engine: {block_size: null, max_batch_size: 8, max_seq_len: null, speculative: true, acceptance: exact,
-             draft_confidence: 0.0, draft_len_schedule: null, draft_vocab: true,
+             draft_confidence: null, draft_len_schedule: null, draft_vocab: true,
              ngram_lookup: 0}
     scheduler: {max_queue: 256, token_budget: 4096}
     trtllm_llm_args: {}       # extra tensorrt_llm.LLM arguments (backend trtllm only; runtime/trtllm.py)
@@ -55,7 +55,8 @@ class EngineSection(_Strict):
     speculative: bool = True
     acceptance: Literal["exact", "rejection"] = "exact"
     # speed settings of the torch engine (output unchanged): speculative/draft_len.py, draft_head.py
-    draft_confidence: float = Field(default=0.0, ge=0.0, lt=1.0)  # 0: the whole block
+    # 0: the whole block; null: by device (0.05 on CPU, the whole block on a GPU; EngineConfig.on_device)
+    draft_confidence: float | None = Field(default=None, ge=0.0, lt=1.0)
     draft_len_schedule: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = None  # [[B, K], ...]
     draft_vocab: bool = True
     ngram_lookup: int = Field(default=0, ge=0, le=NGRAM_MAX_MATCH)  # n-gram lookup drafts (speculative/ngram.py)
