@@ -20,5 +20,7 @@ def test_cuda_greedy_equals_cpu(arch):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     cpu = DFlashEngine(native_from_hf(hf), drafter, EngineConfig(max_seq_len=128, max_batch_size=2)).generate(prompts, params)
     gpu_target = native_from_hf(hf).to("cuda")
-    gpu = DFlashEngine(gpu_target, drafter.to("cuda"), EngineConfig(max_seq_len=128, max_batch_size=2)).generate(prompts, params)
+    engine = DFlashEngine(gpu_target, drafter.to("cuda"), EngineConfig(max_seq_len=128, max_batch_size=2))
+    assert engine.config.draft_confidence == 0.0  # the default on a GPU: whole blocks (EngineConfig.on_device)
+    gpu = engine.generate(prompts, params)
     assert [r.tokens for r in gpu] == [r.tokens for r in cpu]
