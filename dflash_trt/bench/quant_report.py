@@ -43,7 +43,9 @@ def nll_of(target, prompt: list[int], continuation: list[int]) -> tuple[float, i
 
 
 def greedy(target, drafter, prompts, max_new: int):
-    cfg = EngineConfig(max_seq_len=max(map(len, prompts)) + max_new + 64, max_batch_size=1, speculative=drafter is not None)
+    # whole blocks: the report compares tau with and without quantization, not the CPU's truncation default
+    cfg = EngineConfig(max_seq_len=max(map(len, prompts)) + max_new + 64, max_batch_size=1, speculative=drafter is not None,
+                       draft_confidence=0.0)
     engine = torch_engine(target, drafter, cfg)
     params = SamplingParams(max_new_tokens=max_new)
     return [engine.generate([p], params)[0] for p in prompts]

@@ -19,7 +19,7 @@ from dflash_trt.train.features import IGNORE, compute_features, make_batch
 from dflash_trt.train.loss import block_visibility, default_gamma, position_weights, train_forward
 from dflash_trt.train.regen import Sample, regenerate
 from dflash_trt.train.state import read_latest
-from dflash_trt.train.trainer import TrainConfig, Trainer, evaluate_tau, new_drafter
+from dflash_trt.train.trainer import TrainConfig, Trainer, cpu_has_native_bf16, evaluate_tau, new_drafter
 
 VOCAB = 32  # a small vocabulary makes the random target's greedy text learnable in a few hundred steps
 
@@ -123,6 +123,18 @@ def trained(target_dir, tmp_path_factory):
     return trainer, untrained, drafter, prompts[128:]
 
 
+def test_evaluate_tau_verifies_whole_blocks(trained):
+    """Training's tau is the paper's (every draft verified), not the CPU's confidence-cut default."""
+    trainer, _, drafter, held_out = trained
+    prompts = held_out[:4]
+    tau = evaluate_tau(trainer.target, drafter, prompts, 32)
+    for confidence, same in ((0.0, True), (0.9, False)):
+        engine = DFlashEngine(trainer.target, drafter, EngineConfig(max_batch_size=4, max_seq_len=128,
+                                                                    draft_confidence=confidence))
+        steps = [st for r in engine.generate(prompts, SamplingParams(max_new_tokens=32)) for st in r.steps]
+        assert (sum(st.accepted + 1 for st in steps) / len(steps) == tau) == same, confidence
+
+
 def test_training_raises_tau_on_held_out_prompts(trained):
     trainer, untrained, drafter, held_out = trained
     tau = evaluate_tau(trainer.target, drafter, held_out, 64)
@@ -179,15 +191,20 @@ def test_resume_after_ctrl_c_equals_an_uninterrupted_run(target_dir, tmp_path):
         torch.testing.assert_close(final.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_autocast_trains_like_fp32_and_keeps_fp32_weights(target_dir, tmp_path):
+def test_bf16_autocast_trains_like_fp32_and_keeps_fp32_weights(target_dir, tmp_path, caplog):
     """--bf16: the same run under bf16 autocast gives losses within bf16 rounding of the fp32 run's
-    (and not bit-equal: autocast is in effect), and the trained drafter's weights stay fp32."""
+    (and not bit-equal: autocast is in effect), and the trained drafter's weights stay fp32. On a CPU
+    without native bf16 matmul (this machine's oneDNN probe) the run warns that it will be slow."""
     prompts = _prompts(24, seed=4)
     losses = {}
     for bf16 in (False, True):
         kw = dict(steps=4, batch_size=4, anchors_per_seq=4, max_new_tokens=16, bf16=bf16)
         trainer = Trainer(_config(target_dir, tmp_path / str(bf16), **kw), prompts, [])
-        drafter = trainer.run()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dflash_trt.train.trainer"):
+            drafter = trainer.run()
+        warned = any("without native bf16" in r.getMessage() for r in caplog.records)
+        assert warned == (bf16 and not cpu_has_native_bf16())
         assert {p.dtype for p in drafter.parameters()} == {torch.float32}
         losses[bf16] = [loss for _, loss in trainer.state.losses]
     assert losses[True] != losses[False]
