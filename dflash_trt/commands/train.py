@@ -66,6 +66,9 @@ def register(sub) -> None:
     o.add_argument("--topk", type=int, default=0, help="target log-probs recorded per regenerated token (0: none)")
     o.add_argument("--train-vocab", type=int, default=0,
                    help="train the loss over the N most frequent data tokens only (0: full vocabulary; speed)")
+    o.add_argument("--train-vocab-from", choices=("data", "init"), default="data",
+                   help="init: train the loss over the starting drafter's draft vocabulary (--drafter-init / "
+                        "--continue-from) instead of recounting one on this run's data with --train-vocab N")
     o.add_argument("--bf16", action="store_true",
                    help="bf16 mixed precision (autocast) for the training forward/backward; weights and "
                         "optimizer state stay fp32 (about 1.5x faster on CPUs with AVX512-BF16/AMX)")
@@ -169,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
         save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress,
         init=args.init, kd_weight=args.kd_weight, topk=args.topk, heldout_every=args.heldout_every,
-        train_vocab=args.train_vocab, bf16=args.bf16)
+        train_vocab=args.train_vocab,
+        train_vocab_from=args.train_vocab_from, bf16=args.bf16)
     if prompt_files is not None:
         return _run_on_prompt_files(config, prompt_files, args)
     recipe = DataRecipe(seed=args.seed, stdlib_limit=args.num_prompts, self_prompt_count=args.self_prompts)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from dflash_trt.config import (DRAFTER_ARCHITECTURE, DrafterConfig, check_drafter_matches_target,
                                default_target_layer_ids)
 from dflash_trt.errors import CheckpointError, ConfigError
-from dflash_trt.models.drafter import DTYPES, DFlashDrafter
+from dflash_trt.models.drafter import DRAFT_VOCAB_FILE, DTYPES, DFlashDrafter
 from dflash_trt.models.target import load_hf_config, load_native_target
 from dflash_trt.models.transformer import head_dim_of
 from dflash_trt.engine import EngineConfig, SamplingParams
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 # settings a resumed run must share with the run that wrote the checkpoint
 RESUME_FIELDS = ("target", "drafter_init", "continue_from", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
                  "mask_token_id", "steps", "lr", "lr_schedule", "decay_ratio", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
-                 "init", "kd_weight", "topk", "train_vocab")
+                 "init", "kd_weight", "topk", "train_vocab", "train_vocab_from")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ class TrainConfig:
     topk: int = 0  # teacher log-probs recorded per response token during regeneration
     heldout_every: int = 0  # steps between held-out block metrics (0: off)
     train_vocab: int = 0  # >0: the loss runs over the most frequent `train_vocab` data tokens only (speed)
+    # "init": the loss runs over the starting drafter's draft vocabulary (drafter_init / continue_from), so a
+    # run on a small new data set keeps the vocabulary counted on all earlier data instead of recounting
+    train_vocab_from: str = "data"
     bf16: bool = False  # bf16 autocast of the training forward/backward; weights and AdamW state stay fp32
 
     def __post_init__(self) -> None:
@@ -126,6 +129,15 @@ class TrainConfig:
             raise ConfigError(f"init must be 'random' or 'target', got '{self.init}'")
         if not 0 <= self.kd_weight <= 1 or self.topk < 0 or self.heldout_every < 0 or self.train_vocab < 0:
             raise ConfigError("need 0 <= kd_weight <= 1, topk >= 0 and heldout_every >= 0")
+        if self.train_vocab_from not in ("data", "init"):
+            raise ConfigError(f"train_vocab_from must be 'data' or 'init', got '{self.train_vocab_from}'")
+        if self.train_vocab_from == "init":
+            if self.drafter_init is None and self.continue_from is None:
+                raise ConfigError("train_vocab_from 'init' keeps the starting drafter's draft vocabulary: set "
+                                  "drafter_init or continue_from")
+            if self.train_vocab:
+                raise ConfigError("train_vocab (a recount on the data) and train_vocab_from 'init' (the starting "
+                                  "drafter's vocabulary) both choose the loss vocabulary: give one")
         if self.kd_weight > 0 and self.topk == 0:
             raise ConfigError("kd_weight > 0 distills the target's distribution: set topk (e.g. 16)")
         if self.continue_from is not None and self.drafter_init is not None:
@@ -234,6 +246,12 @@ class Trainer:
         self.carried = load_continuation(config.continue_from) if config.continue_from is not None else None
         self.drafter_cfg = self._drafter_config()
         check_drafter_matches_target(self.drafter_cfg, self.target.info)
+        if config.train_vocab_from == "init":  # checked now, before any slow data work
+            has_vocab = (self.carried.drafter.draft_vocab is not None if self.carried is not None
+                         else (Path(config.drafter_init) / DRAFT_VOCAB_FILE).is_file())
+            if not has_vocab:
+                raise ConfigError("train_vocab_from 'init': the starting drafter has no draft vocabulary "
+                                  f"({DRAFT_VOCAB_FILE}); use train_vocab N to count one on the data")
         self.state = TrainState()
         self.samples: list[Sample] = []
 
@@ -353,7 +371,11 @@ class Trainer:
             raise ConfigError(f"{self.ckpt_root} already holds checkpoints: pass --resume to continue, "
                               "or use a fresh --work-dir")
         gamma = c.gamma or default_gamma(self.drafter_cfg.block_size)
-        vocab = self.train_vocab() if c.train_vocab else None
+        if c.train_vocab_from == "init":
+            vocab = TrainVocab.build(self.target.lm_head.weight, drafter.draft_vocab)
+            log.info("training loss over the starting drafter's draft vocabulary (%d tokens)", vocab.ids.numel())
+        else:
+            vocab = self.train_vocab() if c.train_vocab else None
         # the drafter proposes what it was trained on: its draft vocabulary is the loss's (None: all tokens)
         drafter.set_draft_vocab(vocab.ids if vocab is not None else None)
         bar = tqdm(total=c.steps, initial=self.state.step, desc="train", unit="step", disable=not c.progress,

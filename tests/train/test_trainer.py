@@ -328,3 +328,32 @@ def test_wsd_keeps_the_last_full_lr_state_and_a_later_run_continues_it_without_r
         assert torch.equal(drafter.state_dict()[name], tensor)
     assert opt.param_groups[0]["lr"] == cont.lr  # the full learning rate from its first step
 
+
+
+def test_train_vocab_from_init_keeps_the_starting_drafters_vocabulary(target_dir, tmp_path):
+    """train_vocab_from 'init': the loss (and so the output's draft vocabulary) is the starting drafter's
+    draft vocabulary, not a recount on the run's data; refused before any data work without one."""
+    prompts = _prompts(16, seed=9)
+    first = Trainer(_config(target_dir, tmp_path / "a", steps=2, batch_size=4, anchors_per_seq=4, max_new_tokens=16,
+                            train_vocab=40), prompts, [])
+    start = first.run()
+    kept = torch.tensor(sorted(set(start.draft_vocab.tolist()) ^ {0, 1, 2}))  # not a count of any data
+    start.set_draft_vocab(kept)
+    start.save_pretrained(tmp_path / "init")
+    kw = dict(steps=2, batch_size=4, anchors_per_seq=4, max_new_tokens=16, drafter_init=tmp_path / "init")
+    run = Trainer(_config(target_dir, tmp_path / "b", train_vocab_from="init", **kw), _prompts(16, seed=10), [])
+    assert torch.equal(run.run().draft_vocab, kept)
+    recount = Trainer(_config(target_dir, tmp_path / "c", train_vocab=40, **kw), _prompts(16, seed=10), []).run()
+    assert not torch.equal(recount.draft_vocab, kept)
+    # refused: no starting drafter, both choices, a starting drafter without a vocabulary
+    with pytest.raises(ConfigError, match="set drafter_init or continue_from"):
+        _config(target_dir, tmp_path / "d", train_vocab_from="init")
+    with pytest.raises(ConfigError, match="give one"):
+        _config(target_dir, tmp_path / "d", train_vocab_from="init", train_vocab=40, **kw)
+    start.set_draft_vocab(None)
+    start.save_pretrained(tmp_path / "plain")
+    data = tmp_path / "fresh-data"
+    with pytest.raises(ConfigError, match="no draft vocabulary"):
+        Trainer(_config(target_dir, tmp_path / "e", train_vocab_from="init", data_dir=data,
+                        **dict(kw, drafter_init=tmp_path / "plain")), prompts, [])
+    assert not data.exists()
