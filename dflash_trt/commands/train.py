@@ -172,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
         save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress,
         init=args.init, kd_weight=args.kd_weight, topk=args.topk, heldout_every=args.heldout_every,
-        train_vocab=args.train_vocab,
-        train_vocab_from=args.train_vocab_from, bf16=args.bf16)
+        train_vocab=args.train_vocab, train_vocab_from=args.train_vocab_from, bf16=args.bf16)
     if prompt_files is not None:
         return _run_on_prompt_files(config, prompt_files, args)
     recipe = DataRecipe(seed=args.seed, stdlib_limit=args.num_prompts, self_prompt_count=args.self_prompts)

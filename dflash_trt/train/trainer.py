@@ -210,7 +210,6 @@ def new_drafter(cfg: DrafterConfig, seed: int) -> DFlashDrafter:
     return model
 
 
-@torch.no_grad()
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX), as oneDNN reports it."""
     try:
@@ -219,6 +218,7 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+@torch.no_grad()
 def evaluate_tau(target, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int) -> float:
     """Mean acceptance length (committed tokens per verify step) of greedy DFlash on `prompts`, verifying
     whole blocks (tau as the paper counts it, whatever the device's draft-confidence default)."""
