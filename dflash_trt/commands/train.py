@@ -69,6 +69,9 @@ def register(sub) -> None:
     o.add_argument("--train-vocab-from", choices=("data", "init"), default="data",
                    help="init: train the loss over the starting drafter's draft vocabulary (--drafter-init / "
                         "--continue-from) instead of recounting one on this run's data with --train-vocab N")
+    o.add_argument("--loss-weighting", choices=("paper", "prefix"), default="paper",
+                   help="slot weights of the loss: paper, exp(-(k-1)/gamma); prefix, that times the drafter's own "
+                        "probability of hitting every earlier slot of the block (default: paper)")
     o.add_argument("--bf16", action="store_true",
                    help="bf16 mixed precision (autocast) for the training forward/backward; weights and "
                         "optimizer state stay fp32 (about 1.5x faster on CPUs with AVX512-BF16/AMX)")
@@ -172,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
         save_dtype=args.save_dtype, seed=args.seed, resume=args.resume, progress=not args.no_progress,
         init=args.init, kd_weight=args.kd_weight, topk=args.topk, heldout_every=args.heldout_every,
-        train_vocab=args.train_vocab, train_vocab_from=args.train_vocab_from, bf16=args.bf16)
+        train_vocab=args.train_vocab, train_vocab_from=args.train_vocab_from,
+        loss_weighting=args.loss_weighting, bf16=args.bf16)
     if prompt_files is not None:
         return _run_on_prompt_files(config, prompt_files, args)
     recipe = DataRecipe(seed=args.seed, stdlib_limit=args.num_prompts, self_prompt_count=args.self_prompts)

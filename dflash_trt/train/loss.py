@@ -15,6 +15,17 @@ drafters, DistillSpec arXiv 2310.08461): the cross-entropy against the target's 
 probabilities, -sum_k p_k log q_k, with p_k the target's full-vocabulary probabilities of its
 top-k tokens (the small mass outside the top-k is left out). For a one-hot teacher it equals the
 hard-label cross-entropy.
+
+Slot weights, `weighting`:
+- "paper": w_k = exp(-(k-1)/gamma) as above.
+- "prefix": w_k = exp(-(k-1)/gamma) * prod_{j<k} q_j(y_j), the paper's weight times the drafter's own
+  (detached) probability of getting every earlier slot of its block right. Verification accepts slot k
+  only after slots 1..k-1 matched, so a slot behind a likely miss buys little acceptance; the factor moves
+  the loss onto the slots that decide the acceptance length of this block. With the product written
+  out, sum_k prod_{j<=k} q_j is the block's expected number of accepted drafts under the drafter's own
+  probabilities, and each log q_k's weight here is the first factor of that sum's gradient. A slot
+  whose target lies outside the loss vocabulary counts as a certain miss (the draft vocabulary cannot
+  propose it), so the slots after it get weight 0.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ from dflash_trt.models.layers import apply_rope, attend, rope_cos_sin
 from dflash_trt.train.features import IGNORE, Batch
 
 GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))  # (block_size, gamma) from the paper
+WEIGHTINGS = ("paper", "prefix")  # slot weights of the loss (module docstring)
 
 
 def default_gamma(block_size: int) -> float:
@@ -135,12 +147,22 @@ class TrainVocab:
         return cls(ids, head_weight[ids].detach().contiguous(), index)
 
 
+def prefix_weights(hit_prob: torch.Tensor) -> torch.Tensor:
+    """hit_prob: [..., S] probability of each slot's target token -> [..., S] product of the
+    probabilities of the slots before each one (1 for the first slot)."""
+    ones = torch.ones_like(hit_prob[..., :1])
+    return torch.cumprod(torch.cat([ones, hit_prob[..., :-1]], dim=-1), dim=-1)
+
+
 def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_weight: float = 0.0,
-               vocab: TrainVocab | None = None) -> LossOutput:
+               vocab: TrainVocab | None = None, weighting: str = "paper") -> LossOutput:
     """Weighted (CE + KD) loss of one Batch. `target` provides frozen `embed` and `head`.
 
     With `vocab`, logits and log-probs are over that subset only (training speed); metrics then
-    count a slot correct when the subset's argmax is the target token."""
+    count a slot correct when the subset's argmax is the target token. `weighting`: the slot
+    weights (module docstring)."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     b, a, bs = batch.block_ids.shape
     with torch.no_grad():
         embeds = target.embed(batch.block_ids.reshape(b, a * bs))  # [B, A*bs, H]
@@ -163,6 +185,7 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_we
     logq = torch.log_softmax(logits, dim=-1)  # [N, V or K], shared by CE and KD
     ignore = targets == IGNORE
     loss_n = -logq.gather(-1, targets.clamp_min(0)[:, None])[:, 0].masked_fill(ignore, 0.0)  # [N]
+    hit_prob = torch.exp(-loss_n.detach()).masked_fill(ignore, 0.0)  # [N] q(target); 0 where unpredictable
     if kd_weight > 0:
         if t_ids is None:
             raise ValueError("kd_weight > 0 needs teacher distributions in the data (regenerate with topk)")
@@ -171,6 +194,8 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_we
         loss_n = (1 - kd_weight) * loss_n + kd_weight * kd
     valid = (~ignore).float().view(b, a, bs - 1)
     weights = position_weights(bs, gamma)[None, None, :] * valid
+    if weighting == "prefix":
+        weights = weights * prefix_weights(hit_prob.view(b, a, bs - 1))
     loss = (loss_n.view(b, a, bs - 1) * weights).sum() / weights.sum().clamp_min(1e-9)
     with torch.no_grad():
         correct = ((logits.argmax(-1) == targets) & ~ignore).view(b, a, bs - 1)

@@ -45,7 +45,7 @@ from dflash_trt.engine import EngineConfig, SamplingParams
 from dflash_trt.runtime.factory import torch_engine
 from dflash_trt.train.features import make_batch
 from dflash_trt.train.grow import grow_drafter, grown_config
-from dflash_trt.train.loss import TrainVocab, block_loss, cosine_schedule, default_gamma, wsd_schedule
+from dflash_trt.train.loss import WEIGHTINGS, TrainVocab, block_loss, cosine_schedule, default_gamma, wsd_schedule
 from dflash_trt.train.regen import Sample, data_key, regenerate
 from dflash_trt.train.state import carry_adam_moments, load_checkpoint, load_continuation, read_latest, save_checkpoint
 from dflash_trt.train.warm_start import warm_start_from_target
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 # settings a resumed run must share with the run that wrote the checkpoint
 RESUME_FIELDS = ("target", "drafter_init", "continue_from", "grow_layers", "num_layers", "target_layer_ids", "block_size", "intermediate_size",
                  "mask_token_id", "steps", "lr", "lr_schedule", "decay_ratio", "warmup_ratio", "batch_size", "anchors_per_seq", "seed",
-                 "init", "kd_weight", "topk", "train_vocab", "train_vocab_from")
+                 "init", "kd_weight", "topk", "train_vocab", "train_vocab_from", "loss_weighting")
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class TrainConfig:
     # "init": the loss runs over the starting drafter's draft vocabulary (drafter_init / continue_from), so a
     # run on a small new data set keeps the vocabulary counted on all earlier data instead of recounting
     train_vocab_from: str = "data"
+    loss_weighting: str = "paper"  # slot weights: "paper" exp(-(k-1)/gamma), "prefix" also x P(earlier slots hit) (train/loss.py)
     bf16: bool = False  # bf16 autocast of the training forward/backward; weights and AdamW state stay fp32
 
     def __post_init__(self) -> None:
@@ -129,6 +130,8 @@ class TrainConfig:
             raise ConfigError(f"init must be 'random' or 'target', got '{self.init}'")
         if not 0 <= self.kd_weight <= 1 or self.topk < 0 or self.heldout_every < 0 or self.train_vocab < 0:
             raise ConfigError("need 0 <= kd_weight <= 1, topk >= 0 and heldout_every >= 0")
+        if self.loss_weighting not in WEIGHTINGS:
+            raise ConfigError(f"loss_weighting must be one of {', '.join(WEIGHTINGS)}, got '{self.loss_weighting}'")
         if self.train_vocab_from not in ("data", "init"):
             raise ConfigError(f"train_vocab_from must be 'data' or 'init', got '{self.train_vocab_from}'")
         if self.train_vocab_from == "init":
@@ -393,7 +396,7 @@ class Trainer:
                 batch = make_batch([self.samples[i].load() for i in idx], c.anchors_per_seq,
                                    self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id, gen)
                 with torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=c.bf16):
-                    out = block_loss(drafter, self.target, batch, gamma, c.kd_weight, vocab)
+                    out = block_loss(drafter, self.target, batch, gamma, c.kd_weight, vocab, c.loss_weighting)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), c.grad_clip)

@@ -3,6 +3,8 @@ loss, the training-vocabulary subset, the warm start from target layers, lazy sa
 continuing from a drafter."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from dflash_trt.errors import ConfigError
 from dflash_trt.models.target import native_from_hf
 from dflash_trt.models.tiny import build_tiny_drafter, build_tiny_target, random_prompts
 from dflash_trt.train.features import IGNORE, compute_features, make_batch
-from dflash_trt.train.loss import TrainVocab, block_loss, distill_ce
+from dflash_trt.train.loss import TrainVocab, block_loss, distill_ce, position_weights, prefix_weights, train_forward
 from dflash_trt.train.regen import Sample, SampleRef, regenerate
 from dflash_trt.train.warm_start import default_source_layers, warm_start_from_target
 
@@ -117,6 +119,67 @@ def test_kd_weight_and_full_train_vocab(tiny, regenerated):
     assert sub.tokens == int(((batch.targets % 2 == 0) & (batch.targets != IGNORE) & batch.anchor_valid[..., None]).sum())
 
 
+def test_prefix_weights_multiply_the_earlier_slots_hit_probabilities():
+    hit = torch.tensor([[0.5, 0.4, 1.0, 0.0, 0.9], [1.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    expected = torch.tensor([[1.0, 0.5, 0.2, 0.2, 0.0], [1.0] * 5], dtype=torch.float64)
+    torch.testing.assert_close(prefix_weights(hit), expected)
+
+
+def test_prefix_weighting_is_the_paper_loss_times_the_detached_prefix_probability(tiny, regenerated):
+    hf, target = tiny
+    _, samples, _, _ = regenerated
+    drafter = _drafter_for(hf)
+    batch = make_batch(samples, 4, 4, VOCAB - 1, torch.Generator().manual_seed(1))
+    out = block_loss(drafter, target, batch, 4.0, weighting="prefix")
+    # the same loss written out from the drafter's logits
+    b, a, bs = batch.block_ids.shape
+    hidden = train_forward(drafter, batch.ctx_hidden, batch.ctx_valid,
+                           target.embed(batch.block_ids.reshape(b, a * bs)), batch.anchors)
+    logits = target.head(hidden.view(b, a, bs, -1)[:, :, 1:]).float()  # [B, A, bs-1, V]
+    targets = batch.targets.masked_fill(~batch.anchor_valid[:, :, None], IGNORE)
+    valid = targets != IGNORE
+    ce = F.cross_entropy(logits.flatten(0, 2), targets.clamp_min(0).flatten(), reduction="none").view_as(targets)
+    ce = ce.masked_fill(~valid, 0.0)
+    hit = torch.exp(-ce.detach()).masked_fill(~valid, 0.0)
+    w = position_weights(bs, 4.0) * valid * torch.cumprod(torch.cat([torch.ones_like(hit[..., :1]), hit[..., :-1]], -1), -1)
+    expected = (ce * w).sum() / w.sum()
+    torch.testing.assert_close(out.loss, expected)
+    paper = block_loss(drafter, target, batch, 4.0)
+    assert not torch.isclose(out.loss, paper.loss)
+    assert (out.accept_len, out.tokens) == (paper.accept_len, paper.tokens)  # only the weights differ
+    # the prefix factor carries no gradient: the loss's gradient is that of sum(w * ce) / sum(w) at fixed w
+    drafter.zero_grad()
+    out.loss.backward()
+    got = drafter.fc.weight.grad.clone()
+    drafter.zero_grad()
+    expected.backward()
+    torch.testing.assert_close(got, drafter.fc.weight.grad)
+    with pytest.raises(ValueError, match="weighting"):
+        block_loss(drafter, target, batch, 4.0, weighting="acceptance")
+
+
+def test_prefix_weighting_ignores_the_slots_after_a_certain_miss(tiny, regenerated):
+    """A slot whose target is outside the loss vocabulary ends the block's acceptance, so with prefix
+    weights the targets after it do not matter; with the paper's weights they do."""
+    hf, target = tiny
+    _, samples, _, _ = regenerated
+    drafter = _drafter_for(hf)
+    batch = make_batch(samples, 4, 4, VOCAB - 1, torch.Generator().manual_seed(1))
+    vocab = TrainVocab.build(target.lm_head.weight, torch.arange(0, VOCAB, 2))  # even ids only
+    first = batch.targets.clone()
+    first[..., 0] = 2 * torch.arange(first[..., 0].numel()).view_as(first[..., 0]) % VOCAB  # in the vocabulary
+    first[..., 1] = 1  # odd: outside it, a certain miss
+    first[..., 2] = 4
+    second = first.clone()
+    second[..., 2] = 10  # another in-vocabulary token after the miss
+    loss = {}
+    for name, targets in (("first", first), ("second", second)):
+        b = replace(batch, targets=targets.masked_fill(batch.targets == IGNORE, IGNORE))
+        loss[name] = [block_loss(drafter, target, b, 4.0, vocab=vocab, weighting=w).loss for w in ("prefix", "paper")]
+    torch.testing.assert_close(loss["first"][0], loss["second"][0])
+    assert not torch.isclose(loss["first"][1], loss["second"][1])
+
+
 def test_kd_without_teacher_data_is_an_error(tiny):
     hf, target = tiny
     tokens = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(0))
@@ -186,12 +249,13 @@ def test_train_cli_on_prompt_files_with_the_levers(tmp_path):
               "--layers", "1", "--target-layer-ids", "1,2", "--block-size", "4", "--max-new-tokens", "8",
               "--max-seq-len", "64", "--batch-size", "2", "--anchors", "2", "--no-progress"]
     proc = _cli(*common, "--heldout-prompts", str(tmp_path / "held.jsonl"), "--heldout-every", "2", "--steps", "4",
-                "--init", "target", "--kd-weight", "0.5", "--topk", "4", "--train-vocab", "40")
+                "--init", "target", "--kd-weight", "0.5", "--topk", "4", "--train-vocab", "40",
+                "--loss-weighting", "prefix")
     assert proc.returncode == 0, proc.stderr
     assert "best held-out accept length" in proc.stderr
     cfg = yaml.safe_load((out / "training_config.yaml").read_text())["train_config"]
-    assert (cfg["init"], cfg["kd_weight"], cfg["topk"], cfg["train_vocab"], cfg["heldout_every"]) == (
-        "target", 0.5, 4, 40, 2)
+    assert (cfg["init"], cfg["kd_weight"], cfg["topk"], cfg["train_vocab"], cfg["heldout_every"],
+            cfg["loss_weighting"]) == ("target", 0.5, 4, 40, 2, "prefix")
     assert (out / "model.safetensors").is_file() and (tmp_path / "drafter.work" / "best" / "config.json").is_file()
     # the drafter proposes what it was trained on: its draft vocabulary is the loss's 40 tokens
     from dflash_trt.models.drafter import DFlashDrafter
