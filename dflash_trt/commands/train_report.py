@@ -20,7 +20,7 @@ from pathlib import Path
 from dflash_trt.errors import InputError
 
 COLUMNS = ("run", "init", "kd", "layers", "block", "train vocab", "steps", "blocks seen", "response tokens",
-           "held-out tau best (step)", "held-out tau last", "held-out CE last")
+           "held-out tau best (step)", "held-out tau last", "held-out CE last", "slot weights")
 
 
 def register(sub) -> None:
@@ -63,8 +63,9 @@ def row(label: str, rec: dict) -> list[str]:
     if cfg.get("grow_layers"):
         init += f" + {cfg['grow_layers']} grown layer(s)"
     return [label, init, f"{cfg['kd_weight']:g}", str(drafter["num_layers"]), str(drafter["block_size"]),
-            str(cfg["train_vocab"] or "all"), str(res["steps"]), f"{res['steps'] * per_step:,}",
-            f"{rec['data']['response_tokens']:,}", f"{best:.3f} ({best_step})", f"{last:.3f}", f"{last_loss:.3f}"]
+            "the start's" if cfg.get("train_vocab_from") == "init" else str(cfg["train_vocab"] or "all"),
+            str(res["steps"]), f"{res['steps'] * per_step:,}", f"{rec['data']['response_tokens']:,}",
+            f"{best:.3f} ({best_step})", f"{last:.3f}", f"{last_loss:.3f}", cfg.get("loss_weighting", "paper")]
 
 
 def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[str, int, float]]]:
