@@ -278,6 +278,7 @@ def test_train_cli_on_prompt_files_with_the_levers(tmp_path):
     assert [h[0] for h in record["heldout"]] == [0, 2, 4]  # the starting point, then every --heldout-every steps
     assert cells[1:8] == ["target", "0.5", "1", "4", "40", "4", f"{4 * 2 * 2:,}"]
     assert cells[9] == f"{best:.3f} ({best_step})" and cells[10] == f"{record['heldout'][-1][2]:.3f}"
+    assert cells[12] == "prefix"
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "train-report", str(tmp_path)], capture_output=True,
                          text=True, timeout=300)

@@ -20,10 +20,12 @@ RECORDS = sorted(SHIPPED_DRAFTER.glob("training_config.step*.yaml"), key=lambda 
 
 
 def _split_b_runs() -> list[Path]:
-    """The records measured on the same held-out prompts as the shipped run, oldest first."""
+    """The records measured on the held-out prompts of the newest earlier run (steps 3-10: split B),
+    oldest first, with the shipped run's record when it shares them (step 11 selected on split C)."""
+    files = read_run(RECORDS[-1])["data"]["recipe"]["heldout_files"]
+    runs = [p for p in RECORDS if read_run(p)["data"]["recipe"]["heldout_files"] == files]
     last = SHIPPED_DRAFTER / "training_config.yaml"
-    files = read_run(last)["data"]["recipe"]["heldout_files"]
-    return [p for p in RECORDS if read_run(p)["data"]["recipe"]["heldout_files"] == files] + [last]
+    return runs + [last] if read_run(last)["data"]["recipe"]["heldout_files"] == files else runs
 
 
 def test_lineage_puts_runs_on_cumulative_axes():
