@@ -21,11 +21,13 @@ Slot weights, `weighting`:
 - "prefix": w_k = exp(-(k-1)/gamma) * prod_{j<k} q_j(y_j), the paper's weight times the drafter's own
   (detached) probability of getting every earlier slot of its block right. Verification accepts slot k
   only after slots 1..k-1 matched, so a slot behind a likely miss buys little acceptance; the factor moves
-  the loss onto the slots that decide the acceptance length of this block. With the product written
-  out, sum_k prod_{j<=k} q_j is the block's expected number of accepted drafts under the drafter's own
-  probabilities, and each log q_k's weight here is the first factor of that sum's gradient. A slot
-  whose target lies outside the loss vocabulary counts as a certain miss (the draft vocabulary cannot
-  propose it), so the slots after it get weight 0.
+  the loss onto the slots that decide the acceptance length of this block. sum_k prod_{j<=k} q_j is the
+  block's expected number of accepted drafts under the drafter's own probabilities; its gradient weights
+  log q_k by prod_{j<=k} q_j (1 + q_{k+1} + q_{k+1} q_{k+2} + ...). The prefix weight keeps the factor
+  prod_{j<k} q_j, the chance that slot k is reached at all, and leaves q_k to the cross-entropy, which
+  (unlike the expected count) still pushes a slot the drafter gets wrong. A slot whose target lies
+  outside the loss vocabulary counts as a certain miss (the draft vocabulary cannot propose it), so the
+  slots after it get weight 0.
 """
 from __future__ import annotations
 
