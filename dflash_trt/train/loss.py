@@ -187,7 +187,8 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_we
     logq = torch.log_softmax(logits, dim=-1)  # [N, V or K], shared by CE and KD
     ignore = targets == IGNORE
     loss_n = -logq.gather(-1, targets.clamp_min(0)[:, None])[:, 0].masked_fill(ignore, 0.0)  # [N]
-    hit_prob = torch.exp(-loss_n.detach()).masked_fill(ignore, 0.0)  # [N] q(target); 0 where unpredictable
+    # prefix weights: q(target) of the hard label (before KD mixes in), 0 where the target is unpredictable
+    hit_prob = torch.exp(-loss_n.detach()).masked_fill(ignore, 0.0) if weighting == "prefix" else None  # [N]
     if kd_weight > 0:
         if t_ids is None:
             raise ValueError("kd_weight > 0 needs teacher distributions in the data (regenerate with topk)")
@@ -196,7 +197,7 @@ def block_loss(drafter: DFlashDrafter, target, batch: Batch, gamma: float, kd_we
         loss_n = (1 - kd_weight) * loss_n + kd_weight * kd
     valid = (~ignore).float().view(b, a, bs - 1)
     weights = position_weights(bs, gamma)[None, None, :] * valid
-    if weighting == "prefix":
+    if hit_prob is not None:
         weights = weights * prefix_weights(hit_prob.view(b, a, bs - 1))
     loss = (loss_n.view(b, a, bs - 1) * weights).sum() / weights.sum().clamp_min(1e-9)
     with torch.no_grad():

@@ -329,7 +329,6 @@ def test_wsd_keeps_the_last_full_lr_state_and_a_later_run_continues_it_without_r
     assert opt.param_groups[0]["lr"] == cont.lr  # the full learning rate from its first step
 
 
-
 def test_train_vocab_from_init_keeps_the_starting_drafters_vocabulary(target_dir, tmp_path):
     """train_vocab_from 'init': the loss (and so the output's draft vocabulary) is the starting drafter's
     draft vocabulary, not a recount on the run's data; refused before any data work without one."""
