@@ -9,7 +9,9 @@ With --lineage the runs are one drafter's successive continuations (each run aft
 with --drafter-init or --continue-from from the one before, all measured on the same held-out prompts), in order: the
 plot then puts every run on one cumulative optimizer-step axis and shows each run's last held-out
 acceptance against the response tokens its training data held, so compute accumulated across
-sessions reads as one curve. A RUN may also be a training_config*.yaml file itself (a drafter
+sessions reads as one curve. A run that continued from a checkpoint inside the previous run's work
+directory (`--continue-from WORK_DIR/stable`) starts on that axis at the checkpoint's step, not at the
+previous run's end: the steps after it were a branch the later run did not take. A RUN may also be a training_config*.yaml file itself (a drafter
 directory keeps earlier runs' records as training_config.stepN.yaml).
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ def read_run(run: Path) -> dict:
         raise InputError(f"{path} is not a training record ({exc})") from exc
     if not results["heldout"]:
         raise InputError(f"{path} has no held-out evaluations: train with --heldout-prompts and --heldout-every")
-    return {"cfg": cfg, "results": results, "drafter": drafter, "data": data}
+    return {"cfg": cfg, "results": results, "drafter": drafter, "data": data,
+            "continued_from": doc.get("continued_from")}
 
 
 def row(label: str, rec: dict) -> list[str]:
@@ -69,7 +72,8 @@ def row(label: str, rec: dict) -> list[str]:
 
 
 def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[str, int, float]]]:
-    """Successive runs on cumulative axes: ({label: [(cumulative step, cumulative blocks seen, tau)]},
+    """Successive runs on cumulative axes, each starting where it branched off the run before
+    (`branch_step`): ({label: [(cumulative step, cumulative blocks seen, tau)]},
     [(label, response tokens of its data, last held-out tau)]). Refuses runs that do not continue one
     another (no --drafter-init after the first) or were measured on different held-out prompts."""
     held = [tuple(rec["data"].get("recipe", {}).get("heldout_files") or ()) for rec in records]
@@ -83,13 +87,35 @@ def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[st
                              f"'{labels[0]}' ({list(held[0])}); held-out figures compare on the same prompts only")
     curves, data = {}, []
     step0 = blocks0 = 0
-    for label, rec in zip(labels, records):
+    for i, (label, rec) in enumerate(zip(labels, records)):
+        if i:
+            before = records[i - 1]
+            per_step = before["cfg"]["batch_size"] * before["cfg"]["anchors_per_seq"]
+            took = branch_step(before, rec)
+            step0 += took
+            blocks0 += took * per_step
         per_step = rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"]
         curves[label] = [(step0 + st, blocks0 + st * per_step, acc) for st, _, acc in rec["results"]["heldout"]]
         data.append((label, int(rec["data"]["response_tokens"]), rec["results"]["heldout"][-1][2]))
-        step0 += rec["results"]["steps"]
-        blocks0 += rec["results"]["steps"] * per_step
     return curves, data
+
+
+def branch_step(before: dict, after: dict) -> int:
+    """How many of `before`'s optimizer steps lie on `after`'s path: the step of the checkpoint `after`
+    continued from (`--continue-from` a checkpoint in `before`'s work directory, e.g. its WORK_DIR/stable
+    full-rate state: the steps `before` took after it are a branch `after` never saw), else all of them
+    (`--drafter-init` from its result, or a checkpoint recorded elsewhere)."""
+    cont = after.get("continued_from") or {}
+    work_dir = before["cfg"].get("work_dir")
+    if cont.get("checkpoint") and cont.get("step") is not None and work_dir:
+        if Path(work_dir) in Path(cont["checkpoint"]).parents:
+            return int(cont["step"])
+    return int(before["results"]["steps"])
+
+
+def path_steps(records: list[dict]) -> int:
+    """Optimizer steps from the first run's start to the last run's end along the continuations."""
+    return sum(branch_step(a, b) for a, b in zip(records, records[1:])) + int(records[-1]["results"]["steps"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print("| " + " | ".join(row(label, rec)) + " |")
     if args.lineage:
         curves, data = lineage(labels, records)
-        total = sum(rec["results"]["steps"] for rec in records)
+        total = path_steps(records)
         print(f"\nlineage: {len(records)} runs, {total:,} optimizer steps; held-out tau "
               f"{records[0]['results']['heldout'][0][2]:.3f} -> {records[-1]['results']['heldout'][-1][2]:.3f}")
         if args.plot is not None:

@@ -13,19 +13,24 @@ import pytest
 import yaml
 
 from dflash_trt.commands.common import SHIPPED_DRAFTER
-from dflash_trt.commands.train_report import lineage, read_run
+from dflash_trt.commands.train_report import branch_step, lineage, path_steps, read_run
 from dflash_trt.errors import InputError
 
 RECORDS = sorted(SHIPPED_DRAFTER.glob("training_config.step*.yaml"), key=lambda p: int(p.stem.split("step")[1]))
 
 
+def _held(path: Path) -> list[str]:
+    return read_run(path)["data"]["recipe"]["heldout_files"]
+
+
 def _split_b_runs() -> list[Path]:
-    """The records measured on the held-out prompts of the newest earlier run (steps 3-10: split B),
-    oldest first, with the shipped run's record when it shares them (step 11 selected on split C)."""
-    files = read_run(RECORDS[-1])["data"]["recipe"]["heldout_files"]
-    runs = [p for p in RECORDS if read_run(p)["data"]["recipe"]["heldout_files"] == files]
+    """The longest run of records measured on the same held-out prompts (steps 3-10: split B; steps 11
+    on select on split C), oldest first, with the shipped run's record when it shares them."""
+    groups = [_held(p) for p in RECORDS]
+    files = max(groups, key=groups.count)
+    runs = [p for p in RECORDS if _held(p) == files]
     last = SHIPPED_DRAFTER / "training_config.yaml"
-    return runs + [last] if read_run(last)["data"]["recipe"]["heldout_files"] == files else runs
+    return runs + [last] if _held(last) == files else runs
 
 
 def test_lineage_puts_runs_on_cumulative_axes():
@@ -39,6 +44,7 @@ def test_lineage_puts_runs_on_cumulative_axes():
         per_step = rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"]
         held = rec["results"]["heldout"]
         assert curves[label] == [(offset + st, blocks + st * per_step, acc) for st, _, acc in held]
+        # steps 3-10 each went on from the previous run's end (step 10 from step 9's last checkpoint)
         offset += rec["results"]["steps"]
         blocks += rec["results"]["steps"] * per_step
     assert [d[0] for d in data] == labels
@@ -61,6 +67,30 @@ def test_lineage_refuses_runs_that_do_not_continue_each_other(tmp_path):
     other = dict(second, data=dict(second["data"], recipe={"heldout_files": ["/elsewhere/heldout.jsonl"]}))
     with pytest.raises(InputError, match="other held-out prompts"):
         lineage(["a", "b"], [first, other])
+
+
+def test_lineage_starts_a_continuation_where_it_branched_off():
+    """A run that went on from the previous run's WORK_DIR/stable (its full-rate state, here step 420 of
+    600) starts at step 420 on the cumulative axis: the 180 cooldown steps after it are a branch it never
+    took. A checkpoint outside the previous run's work directory counts all of the previous run's steps."""
+    runs = _split_b_runs()
+    first, second = read_run(runs[-2]), read_run(runs[-1])
+    first = dict(first, cfg=dict(first["cfg"], work_dir="/runs/a.work"),
+                 results=dict(first["results"], steps=600))
+    branched = dict(second, cfg=dict(second["cfg"], drafter_init=None, continue_from="/runs/a.work/stable"),
+                    continued_from={"checkpoint": "/runs/a.work/stable/step-0000420", "step": 420})
+    per_step = first["cfg"]["batch_size"] * first["cfg"]["anchors_per_seq"]
+    curves = lineage(["a", "b"], [first, branched])[0]
+    assert curves["b"][0][:2] == (420 + branched["results"]["heldout"][0][0],
+                                  420 * per_step + branched["results"]["heldout"][0][0] * per_step)
+    assert branch_step(first, branched) == 420
+    assert path_steps([first, branched]) == 420 + branched["results"]["steps"]
+    elsewhere = dict(branched, continued_from={"checkpoint": "/runs/other.work/stable/step-0000420", "step": 420})
+    assert lineage(["a", "b"], [first, elsewhere])[0]["b"][0][0] == 600 + branched["results"]["heldout"][0][0]
+    assert path_steps([first, elsewhere]) == 600 + branched["results"]["steps"]
+    # a sibling directory whose name merely starts like the work directory is elsewhere too
+    sibling = dict(branched, continued_from={"checkpoint": "/runs/a.work2/stable/step-0000420", "step": 420})
+    assert branch_step(first, sibling) == 600
 
 
 def test_cli_lineage_plot_and_yaml_runs(tmp_path):
