@@ -11,8 +11,9 @@ plot then puts every run on one cumulative optimizer-step axis and shows each ru
 acceptance against the response tokens its training data held, so compute accumulated across
 sessions reads as one curve. A run that continued from a checkpoint inside the previous run's work
 directory (`--continue-from WORK_DIR/stable`) starts on that axis at the checkpoint's step, not at the
-previous run's end: the steps after it were a branch the later run did not take. A RUN may also be a training_config*.yaml file itself (a drafter
-directory keeps earlier runs' records as training_config.stepN.yaml).
+previous run's end: the steps after it were a branch the later run did not take. A RUN may also be a
+training_config*.yaml file itself (a drafter directory keeps earlier runs' records as
+training_config.stepN.yaml).
 """
 from __future__ import annotations
 
@@ -88,10 +89,8 @@ def lineage(labels: list[str], records: list[dict]) -> tuple[dict, list[tuple[st
     curves, data = {}, []
     step0 = blocks0 = 0
     for i, (label, rec) in enumerate(zip(labels, records)):
-        if i:
-            before = records[i - 1]
-            per_step = before["cfg"]["batch_size"] * before["cfg"]["anchors_per_seq"]
-            took = branch_step(before, rec)
+        if i:  # the run before's steps up to where this one branched off, at its blocks per step
+            took = branch_step(records[i - 1], rec)
             step0 += took
             blocks0 += took * per_step
         per_step = rec["cfg"]["batch_size"] * rec["cfg"]["anchors_per_seq"]

@@ -28,7 +28,7 @@ def _split_b_runs() -> list[Path]:
     on select on split C), oldest first, with the shipped run's record when it shares them."""
     groups = [_held(p) for p in RECORDS]
     files = max(groups, key=groups.count)
-    runs = [p for p in RECORDS if _held(p) == files]
+    runs = [p for p, held in zip(RECORDS, groups) if held == files]
     last = SHIPPED_DRAFTER / "training_config.yaml"
     return runs + [last] if _held(last) == files else runs
 
