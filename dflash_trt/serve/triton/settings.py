@@ -55,7 +55,7 @@ class EngineSection(_Strict):
     speculative: bool = True
     acceptance: Literal["exact", "rejection"] = "exact"
     # speed settings of the torch engine (output unchanged): speculative/draft_len.py, draft_head.py
-    # 0: the whole block; null: by device (0.1 on CPU, the whole block on a GPU; EngineConfig.on_device)
+    # 0: the whole block; null: by device (CPU_DRAFT_CONFIDENCE on CPU, the whole block on a GPU; EngineConfig.on_device)
     draft_confidence: float | None = Field(default=None, ge=0.0, lt=1.0)
     draft_len_schedule: list[Annotated[list[int], Field(min_length=2, max_length=2)]] | None = None  # [[B, K], ...]
     draft_vocab: bool = True
